@@ -25,6 +25,14 @@ app = typer.Typer(
 register_all(app)
 
 
+@app.callback()
+def _root() -> None:
+    """Launch, verify, inspect and tear down P/D-disaggregated vLLM clusters.
+
+    Add --debug to any command to see tracebacks.
+    """
+
+
 @app.command()
 def version() -> None:
     """Print kvctl's version."""
