@@ -118,13 +118,17 @@ def token_bytes(token_ids: Sequence[int] | Iterable[int]) -> bytes:
     return arr.tobytes()
 
 
-def compute_key(identity: KVIdentity, token_ids: Sequence[int] | bytes) -> str:
+def compute_key(identity: KVIdentity, token_ids: Sequence[int]) -> str:
     """The entry key: blake2b-128 hex over identity and token ids."""
-    raw = token_ids if isinstance(token_ids, (bytes, bytearray, memoryview)) else token_bytes(token_ids)
+    return key_from_token_bytes(identity, token_bytes(token_ids))
+
+
+def key_from_token_bytes(identity: KVIdentity, raw_tokens) -> str:
+    """compute_key for token ids already in their stored form (int64 LE bytes)."""
     h = hashlib.blake2b(digest_size=KEY_HEX_LEN // 2)
     h.update(identity.canonical())
     h.update(b"\0")
-    h.update(raw)
+    h.update(raw_tokens)
     return h.hexdigest()
 
 
@@ -331,7 +335,7 @@ def read_entry(path: Path | str, into=None) -> tuple[EntryHeader, memoryview]:
     if checksum([view]) != header.checksum:
         raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
     begin, end = header.span("token_ids")
-    expected_key = compute_key(header.identity, view[begin:end])
+    expected_key = key_from_token_bytes(header.identity, view[begin:end])
     if path.name != f"{expected_key}{ENTRY_SUFFIX}":
         raise EntryCorrupt(path, f"content hashes to key {expected_key}, not the file name")
     return header, view

@@ -1,0 +1,411 @@
+"""Validation of `--kv-transfer-config`: the one source of truth.
+
+The connectors call it when a vLLM server starts (a bad config stops the
+server with every problem listed) and `kvctl validate` calls it without
+starting anything. It imports neither torch, vLLM nor kvctl.
+
+Every problem names a JSON path into the config, what is wrong and the fix::
+
+    $.kv_connector_extra_config.connectors[1].kv_role: 'kv_consumr' is not a
+    role (fix: use one of kv_producer, kv_consumer, kv_both)
+
+Rules beyond vLLM's own `KVTransferConfig`:
+
+- `kv_role` is required (vLLM refuses a connector without one, too).
+- FSConnector's extra config is `FSConnectorSettings` (unknown keys refused).
+- MultiConnectorV0 needs a non-empty `connectors` list of full
+  KVTransferConfig dicts. A child may not be MultiConnectorV0 itself, and its
+  role must be one the parent ever triggers: a `kv_producer` parent only sends,
+  so a `kv_consumer` child would never run (and the reverse).
+- At most one child is marked `"transfer": true`. The transfer child is the
+  one that carries KV from prefill to decode; the multi connector hands it the
+  prompt as it was before any other child rebuilt the input, and kvctl looks
+  for the P->D store there. Two would make "the" transfer store ambiguous; an
+  extra copy of the KV is an offload child (`transfer` false).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+SENDING_ROLES = ("kv_producer", "kv_both")
+RECEIVING_ROLES = ("kv_consumer", "kv_both")
+
+FS_CONNECTOR = "FSConnector"
+MULTI_CONNECTOR = "MultiConnectorV0"
+
+# Names vLLM 0.9.2's KVConnectorFactory can build as V0 connectors, plus ours
+# (registered by connectors.plugin).
+KNOWN_V0_CONNECTORS = (
+    "PyNcclConnector", "MooncakeConnector", "LMCacheConnector", "MooncakeStoreConnector",
+    FS_CONNECTOR, MULTI_CONNECTOR,
+)
+# Registered in the same factory but V1-only: named so the error can say so.
+KNOWN_V1_CONNECTORS = (
+    "SharedStorageConnector", "P2pNcclConnector", "LMCacheConnectorV1", "NixlConnector",
+    "MultiConnector",
+)
+
+# vLLM 0.9.2 KVTransferConfig fields -> the JSON types each accepts.
+KV_TRANSFER_FIELDS: dict[str, tuple[type, ...]] = {
+    "kv_connector": (str,),
+    "engine_id": (str,),
+    "kv_buffer_device": (str,),
+    "kv_buffer_size": (int, float),
+    "kv_role": (str,),
+    "kv_rank": (int,),
+    "kv_parallel_size": (int,),
+    "kv_ip": (str,),
+    "kv_port": (int,),
+    "kv_connector_extra_config": (dict,),
+    "kv_connector_module_path": (str,),
+}
+MULTI_EXTRA_KEYS = ("connectors",)
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass
+class ConfigProblem:
+    """One thing wrong with a config: where (JSON path), what, and the fix."""
+
+    path: str
+    message: str
+    fix: str
+    severity: Severity = "error"  # warnings never stop a server
+
+    def __str__(self) -> str:
+        tag = "warning: " if self.severity == "warning" else ""
+        return f"{self.path}: {tag}{self.message} (fix: {self.fix})"
+
+
+class ConfigError(ValueError):
+    """A config with errors; `.problems` holds every one of them."""
+
+    def __init__(self, problems: list[ConfigProblem], what: str = "invalid kv-transfer-config"):
+        self.problems = problems
+        errors = [p for p in problems if p.severity == "error"]
+        lines = [f"{what}: {len(errors)} problem{'s' if len(errors) != 1 else ''}"]
+        lines += [f"  {p}" for p in problems]
+        super().__init__("\n".join(lines))
+
+
+class FSConnectorSettings(BaseModel):
+    """FSConnector's `kv_connector_extra_config`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    fs_storage_path: str = Field(min_length=1)
+    """Store directory; P's and D's must be the same directory (a shared mount
+    across hosts). A relative path is relative to the server's working dir."""
+    transfer: bool = False
+    """Marks the MultiConnectorV0 child that moves KV from P to D."""
+    fsync: bool = True
+    """fsync each entry before publishing it (durable across power loss)."""
+    model_id: str | None = Field(default=None, min_length=1)
+    """Model identity used in store keys; default: the served model's path/name."""
+    max_bytes: int | None = Field(default=None, gt=0)
+    """Bound on the store's size in bytes; least recently used entries go first."""
+    ttl_seconds: float | None = Field(default=None, gt=0)
+    """Entries older than this are evicted."""
+
+
+# Fix hints for FSConnectorSettings fields, used when pydantic rejects them.
+_FS_FIX = {
+    "fs_storage_path": 'set "fs_storage_path" to the store directory P and D share, e.g. "/mnt/kv-store"',
+    "transfer": "use true or false (JSON booleans, unquoted)",
+    "fsync": "use true or false (JSON booleans, unquoted)",
+    "model_id": "use a non-empty string, or leave it out to key on the served model",
+    "max_bytes": "use a positive whole number of bytes, e.g. 10000000000 for 10 GB, or leave it out",
+    "ttl_seconds": "use a positive number of seconds, or leave it out",
+}
+
+
+def json_path(prefix: str, *parts: str | int) -> str:
+    """Extend a JSON path: keys as `.key` (or `["odd key"]`), indices as `[i]`."""
+    path = prefix
+    for part in parts:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", part):
+            path += f".{part}"
+        else:
+            path += f"[{part!r}]"
+    return path
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
+    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
+
+
+def _unknown_key_fix(key: str, known: Iterable[str]) -> str:
+    known = list(known)
+    guess = did_you_mean(key, known)
+    listing = ", ".join(known)
+    if guess:
+        return f"did you mean {guess!r}? known keys: {listing}"
+    return f"remove it; known keys: {listing}"
+
+
+def _type_name(value: object) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean",
+            int: "integer", float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def pydantic_problems(err: ValidationError, prefix: str, known_keys: Iterable[str] = (),
+                      fixes: dict[str, str] | None = None) -> list[ConfigProblem]:
+    """Map each pydantic error to a ConfigProblem with a JSON path and a fix.
+
+    `fixes` maps a top-level field name to the fix shown for any error in it.
+    """
+    fixes = fixes or {}
+    problems = []
+    for e in err.errors(include_url=False):
+        loc = [p for p in e["loc"] if not (isinstance(p, str) and p.startswith("<"))]
+        path = json_path(prefix, *loc)
+        key = str(loc[-1]) if loc else ""
+        field = str(loc[0]) if loc else ""
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            problems.append(ConfigProblem(path, f"unknown key {key!r}", _unknown_key_fix(key, known_keys)))
+            continue
+        if kind == "missing":
+            message = f"required key {key!r} is missing"
+        elif kind in ("model_type", "model_attributes_type", "dict_type"):
+            message = f"must be an object, got {_type_name(e['input'])}"
+        else:
+            message = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {_shown(e['input'])}"
+        problems.append(ConfigProblem(path, message, fixes.get(field, "see the documented schema")))
+    return problems
+
+
+def parse_fs_settings(extra: dict | None, path_prefix: str = "$.kv_connector_extra_config") -> FSConnectorSettings:
+    """FSConnector's settings from its extra config. Raises ConfigError."""
+    problems = _check_fs_extra(extra, path_prefix)
+    if any(p.severity == "error" for p in problems):
+        raise ConfigError(problems, what="invalid FSConnector kv_connector_extra_config")
+    return FSConnectorSettings.model_validate(extra)
+
+
+def _check_fs_extra(extra: object, prefix: str) -> list[ConfigProblem]:
+    if extra is None or extra == {}:
+        return [ConfigProblem(json_path(prefix, "fs_storage_path"), "FSConnector needs a store directory",
+                              _FS_FIX["fs_storage_path"])]
+    if not isinstance(extra, dict):
+        return [ConfigProblem(prefix, f"must be an object, got {_type_name(extra)}",
+                              'use {"fs_storage_path": "<dir shared by P and D>"}')]
+    try:
+        FSConnectorSettings.model_validate(extra)
+    except ValidationError as e:
+        return pydantic_problems(e, prefix, FSConnectorSettings.model_fields, _FS_FIX)
+    return []
+
+
+def check_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None) -> list[ConfigProblem]:
+    """Every problem in a whole `--kv-transfer-config` dict ([] when valid).
+
+    `registered`: connector names the V0 factory knows (default
+    KNOWN_V0_CONNECTORS). Never raises.
+    """
+    names = tuple(registered) if registered is not None else KNOWN_V0_CONNECTORS
+    return _check_config(cfg, "$", names, parent_role=None)
+
+
+def validate_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None) -> None:
+    """Raise ConfigError listing every error (warnings alone pass)."""
+    problems = check_kv_transfer_config(cfg, registered)
+    if any(p.severity == "error" for p in problems):
+        raise ConfigError(problems)
+
+
+def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
+                  parent_role: str | None) -> list[ConfigProblem]:
+    if not isinstance(cfg, dict):
+        return [ConfigProblem(prefix, f"must be an object, got {_type_name(cfg)}",
+                              'use {"kv_connector": "<name>", "kv_role": "<role>", ...}')]
+    problems: list[ConfigProblem] = []
+    for key, value in cfg.items():
+        if key not in KV_TRANSFER_FIELDS:
+            problems.append(ConfigProblem(json_path(prefix, key), f"unknown key {key!r} (vLLM refuses it)",
+                                          _unknown_key_fix(key, KV_TRANSFER_FIELDS)))
+        elif value is not None and not _is_type(value, KV_TRANSFER_FIELDS[key]) and key not in (
+                "kv_connector", "kv_role"):
+            want = " or ".join(_type_name(t()) for t in KV_TRANSFER_FIELDS[key])
+            problems.append(ConfigProblem(json_path(prefix, key), f"must be {want}, got {_shown(value)}",
+                                          f"give {key} as a JSON {want}"))
+    if "kv_connector_module_path" in cfg:
+        problems.append(ConfigProblem(json_path(prefix, "kv_connector_module_path"),
+                                      "ignored by vLLM V0 (V1-only); V0 finds connectors by name only",
+                                      "remove it; our connectors register through the vllm.general_plugins "
+                                      "entry point", "warning"))
+    name = cfg.get("kv_connector")
+    problems += _check_name(name, prefix, registered, nested=parent_role is not None)
+    role = cfg.get("kv_role")
+    problems += _check_role(role, prefix, parent_role)
+
+    extra_path = json_path(prefix, "kv_connector_extra_config")
+    extra = cfg.get("kv_connector_extra_config")
+    if name == FS_CONNECTOR:
+        problems += _check_fs_extra(extra, extra_path)
+    elif name == MULTI_CONNECTOR and parent_role is None:
+        problems += _check_multi(extra, extra_path, registered, role if role in ROLES else None)
+    return problems
+
+
+def _is_type(value: object, types: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):  # JSON true is not a number
+        return bool in types
+    return isinstance(value, types)
+
+
+def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: bool) -> list[ConfigProblem]:
+    path = json_path(prefix, "kv_connector")
+    listing = ", ".join(registered)
+    if name is None:
+        return [ConfigProblem(path, "required key 'kv_connector' is missing",
+                              f"name the connector; registered V0 connectors: {listing}")]
+    if not isinstance(name, str):
+        return [ConfigProblem(path, f"must be a string, got {_shown(name)}",
+                              f"use a connector name; registered V0 connectors: {listing}")]
+    if nested and name == MULTI_CONNECTOR:
+        return [ConfigProblem(path, "a MultiConnectorV0 child cannot itself be MultiConnectorV0",
+                              "list its connectors directly in the parent's connectors")]
+    if name in registered:
+        return []
+    if name in KNOWN_V1_CONNECTORS:
+        return [ConfigProblem(path, f"{name!r} is a vLLM V1 connector; V0 (VLLM_USE_V1=0) cannot build it",
+                              f"use a V0 connector: {listing}")]
+    guess = did_you_mean(name, registered)
+    hint = f"did you mean {guess!r}? " if guess else ""
+    return [ConfigProblem(path, f"unknown connector {name!r}",
+                          f"{hint}registered V0 connectors: {listing}")]
+
+
+def _check_role(role: object, prefix: str, parent_role: str | None) -> list[ConfigProblem]:
+    path = json_path(prefix, "kv_role")
+    listing = ", ".join(ROLES)
+    if role is None:
+        return [ConfigProblem(path, "required key 'kv_role' is missing",
+                              f"add \"kv_role\": one of {listing}")]
+    if role not in ROLES:
+        guess = did_you_mean(str(role), ROLES)
+        hint = f"did you mean {guess!r}? " if guess else ""
+        return [ConfigProblem(path, f"{_shown(role)} is not a role", f"{hint}use one of {listing}")]
+    if parent_role == "kv_producer" and role == "kv_consumer":
+        return [ConfigProblem(path, "a kv_consumer child never runs under a kv_producer parent "
+                                    "(the parent only sends)",
+                              "make the child kv_producer or kv_both, or the parent kv_both")]
+    if parent_role == "kv_consumer" and role == "kv_producer":
+        return [ConfigProblem(path, "a kv_producer child never runs under a kv_consumer parent "
+                                    "(the parent only receives)",
+                              "make the child kv_consumer or kv_both, or the parent kv_both")]
+    return []
+
+
+def _check_multi(extra: object, prefix: str, registered: tuple[str, ...],
+                 parent_role: str | None) -> list[ConfigProblem]:
+    example = '"connectors": [{"kv_connector": "FSConnector", "kv_role": "kv_producer", ...}, ...]'
+    path = json_path(prefix, "connectors")
+    if extra is None:
+        return [ConfigProblem(path, "MultiConnectorV0 needs a list of child connectors",
+                              f"add kv_connector_extra_config with {example}")]
+    if not isinstance(extra, dict):
+        return [ConfigProblem(prefix, f"must be an object, got {_type_name(extra)}", f"use {{{example}}}")]
+    problems = [ConfigProblem(json_path(prefix, k), f"unknown key {k!r} for MultiConnectorV0",
+                              _unknown_key_fix(k, MULTI_EXTRA_KEYS))
+                for k in extra if k not in MULTI_EXTRA_KEYS]
+    children = extra.get("connectors")
+    if children is None:
+        return problems + [ConfigProblem(path, "required key 'connectors' is missing", f"add {example}")]
+    if not isinstance(children, list):
+        return problems + [ConfigProblem(path, f"must be an array, got {_type_name(children)}",
+                                         f"use {example}")]
+    if not children:
+        return problems + [ConfigProblem(path, "is empty: MultiConnectorV0 needs at least one child",
+                                         f"list the child connectors: {example}")]
+    # A role problem on the parent is reported there; children then get no role check.
+    for i, child in enumerate(children):
+        problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both")
+    problems += _check_transfer_children(children, path, parent_role)
+    return problems
+
+
+def _fs_children(children: list) -> list[tuple[int, dict]]:
+    return [(i, c) for i, c in enumerate(children)
+            if isinstance(c, dict) and c.get("kv_connector") == FS_CONNECTOR]
+
+
+def _extra(cfg: dict) -> dict:
+    extra = cfg.get("kv_connector_extra_config")
+    return extra if isinstance(extra, dict) else {}
+
+
+def _check_transfer_children(children: list, path: str, parent_role: str | None) -> list[ConfigProblem]:
+    problems = []
+    marked = [i for i, c in enumerate(children) if isinstance(c, dict) and _extra(c).get("transfer") is True]
+    for i in marked[1:]:
+        problems.append(ConfigProblem(
+            json_path(path, i, "kv_connector_extra_config", "transfer"),
+            f"children [{marked[0]}] and [{i}] are both marked transfer: only one child moves KV from P to D",
+            "keep \"transfer\": true on the child whose store the decode instance reads; "
+            "set it to false on the others (they are offload copies)"))
+    fs = _fs_children(children)
+    seen: dict[str, int] = {}
+    for i, child in fs:
+        where = _extra(child).get("fs_storage_path")
+        if isinstance(where, str) and where:
+            if where in seen:
+                problems.append(ConfigProblem(
+                    json_path(path, i, "kv_connector_extra_config", "fs_storage_path"),
+                    f"children [{seen[where]}] and [{i}] use the same store {where!r}",
+                    "give each FSConnector child its own directory", "warning"))
+            seen.setdefault(where, i)
+    sending_fs = [i for i, c in fs if c.get("kv_role") in SENDING_ROLES]
+    others = [i for i, c in enumerate(children) if isinstance(c, dict) and c.get("kv_connector") != FS_CONNECTOR]
+    if not marked and sending_fs and others and parent_role in SENDING_ROLES:
+        problems.append(ConfigProblem(
+            json_path(path, sending_fs[0], "kv_connector_extra_config", "transfer"),
+            "no child is marked transfer, so FSConnector may key on an input another child rebuilt",
+            'add "transfer": true to the FSConnector child that feeds the decode instance', "warning"))
+    return problems
+
+
+def fs_store_path(cfg: object, direction: Literal["send", "recv"]) -> str | None:
+    """The FS store directory that carries KV P->D in this config, or None.
+
+    `direction` is the side asking: "send" for the prefill config, "recv" for
+    the decode one. A top-level FSConnector's own path; for MultiConnectorV0,
+    the FSConnector child marked transfer (else the only FSConnector child
+    able to act in `direction`).
+    """
+    if not isinstance(cfg, dict):
+        return None
+    roles = SENDING_ROLES if direction == "send" else RECEIVING_ROLES
+    if cfg.get("kv_role") not in roles:
+        return None
+    if cfg.get("kv_connector") == FS_CONNECTOR:
+        found = _extra(cfg).get("fs_storage_path")
+        return found if isinstance(found, str) and found else None
+    if cfg.get("kv_connector") != MULTI_CONNECTOR:
+        return None
+    children = _extra(cfg).get("connectors")
+    if not isinstance(children, list):
+        return None
+    fs = [c for _, c in _fs_children(children) if c.get("kv_role") in roles]
+    chosen = [c for c in fs if _extra(c).get("transfer") is True] or fs
+    if len(chosen) != 1:
+        return None
+    found = _extra(chosen[0]).get("fs_storage_path")
+    return found if isinstance(found, str) and found else None

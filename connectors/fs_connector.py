@@ -1,0 +1,227 @@
+"""FSConnector: V0 KV connector that hands KV + hidden states through a directory.
+
+Producer (``kv_producer``/``kv_both``): after a prefill step, each request's
+KV (all layers) and hidden states are gathered from the paged cache into one
+token-major entry and published atomically (connectors.store_format).
+
+Consumer (``kv_consumer``/``kv_both``): before a prefill step, the entry of
+every prefill request is loaded. The forward pass is skipped only when every
+request in the step is a complete, valid hit and the step holds no decode
+tokens; otherwise nothing is taken from the store and the step recomputes.
+A miss, a corrupt entry or a token mismatch is logged with its reason.
+
+Config (``kv_connector_extra_config``, see connectors.config):
+``fs_storage_path`` (relative paths resolve against the server's working
+directory), ``fsync``, ``model_id``. Prefix caching and chunked prefill make
+a step compute only part of a prompt; they are refused at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Union
+
+import torch
+
+from connectors import store_format as fmt
+from connectors.batch import split_prefills, span_slots, span_tokens
+from connectors.config import ConfigError, ConfigProblem, parse_fs_settings
+from connectors.fs_store import FSStore, TokenMismatch, dtype_tag
+from connectors.kv_layout import CacheGeometry, KVLayout, select_layout
+from connectors.logs import get_logger
+from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
+from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+from vllm.sequence import IntermediateTensors
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = get_logger(__name__)
+
+SKIP_LINE = "[rank%d]: Successfully received all KVs and hidden states, skip model forwarding."
+REDO_LINE = "[rank%d]: Failed to receive all KVs and hidden states, redo model forwarding."
+SEND_LINE = "[rank%d]: KV send DONE."
+
+
+class FSConnector(KVConnectorBase):
+    """KV and hidden states through a shared filesystem path, one entry per prompt."""
+
+    def __init__(self, rank: int, local_rank: int, config: "VllmConfig"):
+        self.rank = rank
+        self.config = config
+        kv_config = config.kv_transfer_config
+        self.settings = parse_fs_settings(kv_config.kv_connector_extra_config or {})
+        _refuse_unsupported(config)
+        self.is_producer = kv_config.is_kv_producer
+        self.is_consumer = kv_config.is_kv_consumer
+        self.root = _resolve_store_path(self.settings.fs_storage_path)
+        self.store = FSStore(self.root, fsync=self.settings.fsync)
+
+        model_config, parallel = config.model_config, config.parallel_config
+        self.geometry = CacheGeometry(
+            block_size=config.cache_config.block_size,
+            kv_heads=1 if model_config.use_mla else model_config.get_num_kv_heads(parallel),
+            head_size=model_config.get_head_size(),
+        )
+        self.num_layers = model_config.get_num_layers(parallel)
+        self.model_id = self.settings.model_id or model_config.model
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = parallel.tensor_parallel_size
+        self._identity: fmt.KVIdentity | None = None  # known once caches exist
+        self._layout: KVLayout | None = None
+        logger.info("FSConnector ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
+                    "head_size=%d block_size=%d tp=%d/%d fsync=%s", kv_config.kv_role, self.root,
+                    self.model_id, self.num_layers, self.geometry.kv_heads,
+                    self.geometry.head_size, self.geometry.block_size, self.tp_rank,
+                    self.tp_size, self.settings.fsync)
+
+    # -- identity and layout, fixed by the first real (non-profile) cache --
+
+    def _bind(self, kv_caches: list[torch.Tensor]) -> tuple[fmt.KVIdentity, KVLayout]:
+        if self._identity is None:
+            if len(kv_caches) != self.num_layers:
+                raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_layers} layers")
+            self._layout = select_layout(kv_caches[0], self.geometry)
+            self._identity = fmt.KVIdentity(
+                model=self.model_id, num_layers=self.num_layers,
+                kv_parts=self._layout.kv_parts, kv_heads=self.geometry.kv_heads,
+                head_size=self.geometry.head_size, dtype=dtype_tag(kv_caches[0].dtype),
+                tp_rank=self.tp_rank, tp_size=self.tp_size)
+            logger.info("FSConnector layout: %s, identity %s", self._layout.name, self._identity)
+        return self._identity, self._layout
+
+    # -- producer --
+
+    def send_kv_caches_and_hidden_states(
+        self, model_executable: torch.nn.Module, model_input, kv_caches: list[torch.Tensor],
+        hidden_or_intermediate_states: Union[torch.Tensor, IntermediateTensors],
+    ) -> None:
+        """Publish one entry per prefill request of this step. Never raises on I/O errors."""
+        step = split_prefills(model_input)
+        if not step.transferable:
+            if step.problem:
+                logger.warning("[rank%d]: KV not sent: %s", self.rank, step.problem)
+            return
+        identity, layout = self._bind(kv_caches)
+        hidden = hidden_or_intermediate_states
+        for span in step.spans:
+            tokens = span_tokens(model_input, span).tolist()
+            key = fmt.compute_key(identity, tokens)
+            if self._already_stored(key):
+                logger.info(SEND_LINE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)",
+                            self.rank, key, len(tokens))
+                continue
+            slots = span_slots(model_input, span)
+            try:
+                kv = torch.stack([layout.gather(cache, slots) for cache in kv_caches])
+                result = self.store.save(identity, tokens, kv, hidden[span.start:span.end])
+            except OSError as e:
+                logger.error("[rank%d]: KV send FAILED for key=%s: %s", self.rank, key, e)
+                continue
+            logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f", self.rank,
+                        result.key, len(tokens), result.num_bytes, result.seconds * 1e3)
+
+    def _already_stored(self, key: str) -> bool:
+        path = fmt.entry_path(self.root, key)
+        try:
+            fmt.parse_header(path)
+        except (FileNotFoundError, fmt.EntryCorrupt):
+            return False
+        try:
+            os.utime(path)  # a hit keeps the entry recent for LRU eviction
+        except OSError:
+            pass
+        return True
+
+    # -- consumer --
+
+    def recv_kv_caches_and_hidden_states(self, model_executable: torch.nn.Module, model_input,
+                                         kv_caches: list[torch.Tensor]):
+        """Returns (hidden_states, True, model_input) when every prefill hit, else (None, False, model_input)."""
+        step = split_prefills(model_input)
+        if not step.transferable:
+            return self._redo(model_input, step.problem or "no prefill requests in step")
+        if step.num_decode_tokens:
+            return self._redo(model_input, f"step has {step.num_decode_tokens} decode tokens")
+        identity, layout = self._bind(kv_caches)
+        device = kv_caches[0].device
+        start = time.perf_counter()
+        loaded = []
+        for span in step.spans:
+            tokens = span_tokens(model_input, span).tolist()
+            key = fmt.compute_key(identity, tokens)
+            try:
+                entry = self.store.load(identity, tokens, device)
+            except FileNotFoundError:
+                return self._redo(model_input, f"miss key={key} tokens={len(tokens)}")
+            except fmt.EntryCorrupt as e:
+                return self._redo(model_input, f"corrupt key={key}: {e.reason}")
+            except TokenMismatch as e:
+                return self._redo(model_input, f"token mismatch key={key}: {e}")
+            except (OSError, ValueError, RuntimeError) as e:
+                return self._redo(model_input, f"unreadable key={key}: {type(e).__name__}: {e}")
+            loaded.append((span, entry))
+        for span, entry in loaded:
+            slots = span_slots(model_input, span)
+            for cache, layer_kv in zip(kv_caches, entry.kv):
+                layout.scatter(cache, slots, layer_kv.to(cache.dtype))
+        hidden = torch.cat([entry.hidden for _, entry in loaded])
+        keys = ",".join(entry.key for _, entry in loaded)
+        logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f", self.rank, keys,
+                    hidden.shape[0], sum(e.num_bytes for _, e in loaded),
+                    (time.perf_counter() - start) * 1e3)
+        return hidden, True, model_input
+
+    def _redo(self, model_input, reason: str):
+        logger.info(REDO_LINE + " reason=%s", self.rank, reason)
+        return None, False, model_input
+
+    def close(self) -> None:
+        pass
+
+
+def _resolve_store_path(path: str) -> Path:
+    """Absolute store dir (relative to the server's cwd, as in the seed), created if needed."""
+    root = Path(path).expanduser()
+    if not root.is_absolute():
+        root = Path.cwd() / root
+    problems = []
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        problems.append(ConfigProblem(
+            "$.kv_connector_extra_config.fs_storage_path",
+            f"cannot create store directory {root}: {e.strerror}",
+            "point fs_storage_path at a directory this server can create and write"))
+    else:
+        if not os.access(root, os.W_OK | os.X_OK):
+            problems.append(ConfigProblem(
+                "$.kv_connector_extra_config.fs_storage_path",
+                f"store directory {root} is not writable by this server",
+                "fix the directory's permissions or choose another fs_storage_path"))
+    if problems:
+        raise ConfigError(problems)
+    return root
+
+
+def _refuse_unsupported(config: "VllmConfig") -> None:
+    """Start-up errors for settings under which a prompt's KV can't be keyed whole."""
+    problems = []
+    if config.cache_config.enable_prefix_caching:
+        problems.append(ConfigProblem(
+            "--enable-prefix-caching", "prefix caching makes a prefill compute only part "
+            "of its prompt, so FSConnector cannot store or load it whole",
+            "start vLLM with --no-enable-prefix-caching"))
+    if config.scheduler_config.chunked_prefill_enabled:
+        problems.append(ConfigProblem(
+            "--enable-chunked-prefill", "chunked prefill splits a prompt over several steps",
+            "start vLLM with --no-enable-chunked-prefill (and a --max-num-batched-tokens "
+            ">= --max-model-len)"))
+    if config.parallel_config.pipeline_parallel_size > 1:
+        problems.append(ConfigProblem(
+            "--pipeline-parallel-size", "FSConnector supports tensor parallelism only",
+            "use --pipeline-parallel-size 1"))
+    if problems:
+        raise ConfigError(problems)

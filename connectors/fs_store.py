@@ -1,0 +1,125 @@
+"""Save and load KV entries as torch tensors (format: connectors.store_format).
+
+The torch half of the store: turns tensors into the format's byte buffers
+without extra copies, and reads an entry straight into a uint8 tensor whose
+memory the KV and hidden-state tensors then view.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from connectors import store_format as fmt
+
+logger = logging.getLogger(__name__)
+
+TORCH_TO_TAG = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+TAG_TO_TORCH = {v: k for k, v in TORCH_TO_TAG.items()}
+
+
+def dtype_tag(dtype: torch.dtype) -> str:
+    try:
+        return TORCH_TO_TAG[dtype]
+    except KeyError:
+        raise ValueError(f"KV dtype {dtype} has no safetensors tag") from None
+
+
+def _blob(t: torch.Tensor) -> fmt.TensorBlob:
+    t = t.detach().to("cpu").contiguous()
+    # A uint8 view gives a buffer for every dtype (numpy has no bfloat16).
+    raw = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
+    return fmt.TensorBlob(dtype_tag(t.dtype), tuple(t.shape), raw)
+
+
+class TokenMismatch(fmt.StoreError):
+    """An entry exists under the key but holds other tokens (never served)."""
+
+
+@dataclass
+class SaveResult:
+    key: str
+    path: Path
+    num_bytes: int
+    seconds: float
+
+
+@dataclass
+class LoadedEntry:
+    key: str
+    kv: torch.Tensor  # [layers, kv_parts, tokens, kv_heads, head_size]
+    hidden: torch.Tensor  # [tokens, hidden_size]
+    num_bytes: int
+    seconds: float
+
+
+class FSStore:
+    """One store directory. Thread-safe: every call works on its own files."""
+
+    def __init__(self, root: Path | str, *, fsync: bool = True):
+        self.root = Path(root)
+        self.fsync = fsync
+
+    def key_for(self, identity: fmt.KVIdentity, token_ids: Sequence[int]) -> str:
+        return fmt.compute_key(identity, token_ids)
+
+    def save(self, identity: fmt.KVIdentity, token_ids: Sequence[int], kv: torch.Tensor,
+             hidden: torch.Tensor) -> SaveResult:
+        """Publish one entry atomically. Raises OSError on I/O failure (nothing published)."""
+        start = time.perf_counter()
+        tokens = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
+                                 dtype=torch.int64)
+        expected = (identity.num_layers, identity.kv_parts, tokens.numel(),
+                    identity.kv_heads, identity.head_size)
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"kv shape {list(kv.shape)} != identity's {list(expected)}")
+        blobs = {"token_ids": _blob(tokens), "kv": _blob(kv), "hidden": _blob(hidden)}
+        key = fmt.key_from_token_bytes(identity, blobs["token_ids"].data)
+        path = fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync)
+        size = sum(b.nbytes for b in blobs.values())
+        return SaveResult(key, path, size, time.perf_counter() - start)
+
+    def load(self, identity: fmt.KVIdentity, token_ids: Sequence[int],
+             device: torch.device | str = "cpu") -> LoadedEntry:
+        """Load the entry for exactly these tokens onto `device`.
+
+        Raises FileNotFoundError (miss), store_format.EntryCorrupt (truncated,
+        checksum, foreign, wrong key) or TokenMismatch (hash collision or
+        tampering: stored tokens differ from the prompt).
+        """
+        start = time.perf_counter()
+        raw_tokens = fmt.token_bytes(token_ids)
+        key = fmt.key_from_token_bytes(identity, raw_tokens)
+        path = fmt.entry_path(self.root, key)
+        holder: list[torch.Tensor] = []
+
+        def into(nbytes: int):
+            holder.append(torch.empty(nbytes, dtype=torch.uint8))
+            return holder[0].numpy()
+
+        header, view = fmt.read_entry(path, into=into)
+        if header.identity != identity:
+            raise fmt.EntryCorrupt(path, f"identity {header.identity} != expected {identity}")
+        begin, end = header.span("token_ids")
+        if bytes(view[begin:end]) != raw_tokens:
+            raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
+        data = holder[0]
+        kv = self._tensor(header, data, "kv").to(device, non_blocking=True)
+        hidden = self._tensor(header, data, "hidden").to(device, non_blocking=True)
+        return LoadedEntry(key, kv, hidden, header.data_len, time.perf_counter() - start)
+
+    @staticmethod
+    def _tensor(header: fmt.EntryHeader, data: torch.Tensor, name: str) -> torch.Tensor:
+        info = header.tensors[name]
+        begin, end = header.span(name)
+        dtype = TAG_TO_TORCH[info["dtype"]]
+        return data[begin:end].view(dtype).view(info["shape"])

@@ -1,0 +1,143 @@
+"""FS store round trips and rejection of anything that is not exactly the entry asked for."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from connectors import store_format as fmt  # noqa: E402
+from connectors.fs_store import FSStore, TokenMismatch  # noqa: E402
+
+IDENT = fmt.KVIdentity(model="m", num_layers=3, kv_parts=2, kv_heads=2, head_size=32,
+                       dtype="BF16")
+
+
+def make_entry(tokens: int = 37, seed: int = 0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(3, 2, tokens, 2, 32, generator=g).to(dtype)
+    hidden = torch.randn(tokens, 128, generator=g).to(dtype)
+    ids = torch.randint(0, 2000, (tokens,), generator=g).tolist()
+    return ids, kv, hidden
+
+
+def test_round_trip_bit_exact(tmp_path):
+    store = FSStore(tmp_path)
+    ids, kv, hidden = make_entry()
+    saved = store.save(IDENT, ids, kv, hidden)
+    assert saved.path == fmt.entry_path(tmp_path, saved.key)
+    assert len(saved.key) == 32  # 128-bit
+    got = store.load(IDENT, ids)
+    assert torch.equal(got.kv, kv) and torch.equal(got.hidden, hidden)
+    assert got.kv.dtype == torch.bfloat16 and got.key == saved.key
+    # Nothing but the entry is left behind (no temp files).
+    assert [p.name for p in tmp_path.iterdir()] == [saved.path.name]
+
+
+def test_entry_is_plain_safetensors(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    ids, kv, hidden = make_entry(tokens=5)
+    saved = FSStore(tmp_path).save(IDENT, ids, kv, hidden)
+    loaded = safetensors.load_file(saved.path)
+    assert torch.equal(loaded["kv"], kv) and loaded["token_ids"].tolist() == ids
+
+
+def test_key_depends_on_tokens_and_identity():
+    ids = list(range(20))
+    base = fmt.compute_key(IDENT, ids)
+    assert fmt.compute_key(IDENT, ids[:-1]) != base
+    assert fmt.compute_key(IDENT, ids[:-1] + [999]) != base
+    for change in (dict(model="other"), dict(num_layers=4), dict(kv_heads=4), dict(head_size=64),
+                   dict(dtype="F16"), dict(tp_rank=1), dict(tp_size=2)):
+        other = fmt.KVIdentity(**{**IDENT.__dict__, **change})
+        assert fmt.compute_key(other, ids) != base, change
+
+
+def test_miss_is_file_not_found(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        FSStore(tmp_path).load(IDENT, [1, 2, 3])
+
+
+@pytest.mark.parametrize("damage", ["flip_data_byte", "truncate", "append", "zero_header"])
+def test_damaged_entry_is_rejected(tmp_path, damage):
+    store = FSStore(tmp_path)
+    ids, kv, hidden = make_entry()
+    path = store.save(IDENT, ids, kv, hidden).path
+    raw = bytearray(path.read_bytes())
+    if damage == "flip_data_byte":
+        raw[-100] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "append":
+        raw += b"\0" * 16
+    else:
+        raw[:8] = b"\0" * 8
+    path.write_bytes(bytes(raw))
+    with pytest.raises(fmt.EntryCorrupt):
+        store.load(IDENT, ids)
+
+
+def test_entry_under_wrong_name_is_rejected(tmp_path):
+    """A valid entry renamed to another prompt's key (e.g. a botched copy) is never served."""
+    store = FSStore(tmp_path)
+    ids_a, kv, hidden = make_entry(seed=1)
+    ids_b = ids_a[:-1] + [ids_a[-1] + 1]
+    path = store.save(IDENT, ids_a, kv, hidden).path
+    os.replace(path, fmt.entry_path(tmp_path, fmt.compute_key(IDENT, ids_b)))
+    with pytest.raises(fmt.EntryCorrupt, match="hashes to key"):
+        store.load(IDENT, ids_b)
+
+
+def test_token_mismatch_is_rejected(tmp_path, monkeypatch):
+    """Simulated key collision: same key, other tokens -> TokenMismatch, not a hit."""
+    store = FSStore(tmp_path)
+    ids_a, kv, hidden = make_entry(seed=2)
+    ids_b = list(reversed(ids_a))
+    monkeypatch.setattr(fmt, "key_from_token_bytes", lambda identity, raw: "ab" * 16)
+    store.save(IDENT, ids_a, kv, hidden)
+    with pytest.raises(TokenMismatch):
+        store.load(IDENT, ids_b)
+
+
+def test_foreign_safetensors_file_is_rejected(tmp_path):
+    safetensors = pytest.importorskip("safetensors.torch")
+    ids, kv, hidden = make_entry()
+    key = fmt.compute_key(IDENT, ids)
+    safetensors.save_file({"kv": kv.contiguous()}, fmt.entry_path(tmp_path, key))
+    with pytest.raises(fmt.EntryCorrupt, match="not a kvctl-fs-kv entry"):
+        FSStore(tmp_path).load(IDENT, ids)
+
+
+def _writer(root: str, rounds: int) -> None:
+    store = FSStore(root, fsync=False)
+    for i in range(rounds):
+        ids, kv, hidden = make_entry(tokens=2000, seed=i % 2)
+        store.save(IDENT, [7] * 2000, kv, hidden)  # same key, alternating content
+
+
+def test_reader_racing_writer_never_sees_partial_entry(tmp_path):
+    """Atomic publish: while a writer keeps replacing one ~1 MB entry, every read is whole."""
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_writer, args=(str(tmp_path), 60))
+    proc.start()
+    store = FSStore(tmp_path)
+    expected = {make_entry(tokens=2000, seed=s)[1].view(torch.int16).sum().item() for s in (0, 1)}
+    hits = 0
+    deadline = time.monotonic() + 60
+    try:
+        while proc.is_alive() and time.monotonic() < deadline:
+            try:
+                got = store.load(IDENT, [7] * 2000)
+            except FileNotFoundError:
+                continue
+            assert got.kv.view(torch.int16).sum().item() in expected
+            hits += 1
+    finally:
+        proc.join(30)
+    assert proc.exitcode == 0
+    assert hits > 0
+    assert not [p for p in tmp_path.iterdir() if fmt.is_temp_name(p.name)]
