@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -141,8 +141,13 @@ def json_path(prefix: str, *parts: str | int) -> str:
 
 
 def did_you_mean(word: str, choices: Iterable[str]) -> str | None:
-    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return matches[0] if matches else None
+    """The closest choice to a mistyped word (a prefix counts), or None."""
+    choices = list(choices)
+    matches = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if matches:
+        return matches[0]
+    prefixed = [c for c in choices if len(word) >= 3 and c.startswith(word)]
+    return prefixed[0] if len(prefixed) == 1 else None
 
 
 def _unknown_key_fix(key: str, known: Iterable[str]) -> str:
@@ -150,13 +155,17 @@ def _unknown_key_fix(key: str, known: Iterable[str]) -> str:
     guess = did_you_mean(key, known)
     listing = ", ".join(known)
     if guess:
-        return f"did you mean {guess!r}? known keys: {listing}"
+        return f"did you mean {guess!r}?"
     return f"remove it; known keys: {listing}"
 
 
+_JSON_TYPE_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+                    int: "an integer", float: "a number", type(None): "null"}
+
+
 def _type_name(value: object) -> str:
-    return {dict: "object", list: "array", str: "string", bool: "boolean",
-            int: "integer", float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+    """The JSON type of a parsed value, with its article: 'an object'."""
+    return _JSON_TYPE_NAMES.get(type(value), type(value).__name__)
 
 
 def _shown(value: object) -> str:
@@ -164,10 +173,13 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def pydantic_problems(err: ValidationError, prefix: str, known_keys: Iterable[str] = (),
+def pydantic_problems(err: ValidationError, prefix: str,
+                      known_keys: Iterable[str] | Callable[[tuple], Iterable[str]] = (),
                       fixes: dict[str, str] | None = None) -> list[ConfigProblem]:
     """Map each pydantic error to a ConfigProblem with a JSON path and a fix.
 
+    `known_keys`: the keys allowed where an unknown key was found (or a
+    function from the parent's location to them), for did-you-mean.
     `fixes` maps a top-level field name to the fix shown for any error in it.
     """
     fixes = fixes or {}
@@ -179,14 +191,20 @@ def pydantic_problems(err: ValidationError, prefix: str, known_keys: Iterable[st
         field = str(loc[0]) if loc else ""
         kind = e["type"]
         if kind == "extra_forbidden":
-            problems.append(ConfigProblem(path, f"unknown key {key!r}", _unknown_key_fix(key, known_keys)))
+            known = known_keys(tuple(loc[:-1])) if callable(known_keys) else known_keys
+            problems.append(ConfigProblem(path, f"unknown key {key!r}", _unknown_key_fix(key, known)))
             continue
         if kind == "missing":
             message = f"required key {key!r} is missing"
         elif kind in ("model_type", "model_attributes_type", "dict_type"):
             message = f"must be an object, got {_type_name(e['input'])}"
+        elif kind == "string_too_short" and e.get("ctx", {}).get("min_length") == 1:
+            message = "must not be empty"
+        elif kind == "value_error":  # our own validators already name the value
+            message = e["msg"].removeprefix("Value error, ")
         else:
-            message = f"{e['msg'][0].lower()}{e['msg'][1:]}, got {_shown(e['input'])}"
+            msg = re.sub(r"^(Input|String|List|Dictionary) should", "must", e["msg"])
+            message = f"{msg}, got {_shown(e['input'])}"
         problems.append(ConfigProblem(path, message, fixes.get(field, "see the documented schema")))
     return problems
 
@@ -201,7 +219,8 @@ def parse_fs_settings(extra: dict | None, path_prefix: str = "$.kv_connector_ext
 
 def _check_fs_extra(extra: object, prefix: str) -> list[ConfigProblem]:
     if extra is None or extra == {}:
-        return [ConfigProblem(json_path(prefix, "fs_storage_path"), "FSConnector needs a store directory",
+        return [ConfigProblem(json_path(prefix, "fs_storage_path"),
+                              "required key 'fs_storage_path' is missing: FSConnector needs a store directory",
                               _FS_FIX["fs_storage_path"])]
     if not isinstance(extra, dict):
         return [ConfigProblem(prefix, f"must be an object, got {_type_name(extra)}",
@@ -219,7 +238,7 @@ def check_kv_transfer_config(cfg: object, registered: Iterable[str] | None = Non
     `registered`: connector names the V0 factory knows (default
     KNOWN_V0_CONNECTORS). Never raises.
     """
-    names = tuple(registered) if registered is not None else KNOWN_V0_CONNECTORS
+    names = tuple(sorted(registered)) if registered is not None else KNOWN_V0_CONNECTORS
     return _check_config(cfg, "$", names, parent_role=None)
 
 
@@ -242,10 +261,11 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
                                           _unknown_key_fix(key, KV_TRANSFER_FIELDS)))
         elif value is not None and not _is_type(value, KV_TRANSFER_FIELDS[key]) and key not in (
                 "kv_connector", "kv_role"):
-            want = " or ".join(_type_name(t()) for t in KV_TRANSFER_FIELDS[key])
+            types = KV_TRANSFER_FIELDS[key]
+            want = "a number" if float in types else _JSON_TYPE_NAMES[types[0]]
             problems.append(ConfigProblem(json_path(prefix, key), f"must be {want}, got {_shown(value)}",
-                                          f"give {key} as a JSON {want}"))
-    if "kv_connector_module_path" in cfg:
+                                          f"give {key} as {want}" + (", without quotes" if str not in types else "")))
+    if cfg.get("kv_connector_module_path") is not None:
         problems.append(ConfigProblem(json_path(prefix, "kv_connector_module_path"),
                                       "ignored by vLLM V0 (V1-only); V0 finds connectors by name only",
                                       "remove it; our connectors register through the vllm.general_plugins "
@@ -272,7 +292,8 @@ def _is_type(value: object, types: tuple[type, ...]) -> bool:
 
 def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: bool) -> list[ConfigProblem]:
     path = json_path(prefix, "kv_connector")
-    listing = ", ".join(registered)
+    # vLLM's factory registry also holds V1-only names; V0 cannot build those.
+    listing = ", ".join(n for n in registered if n not in KNOWN_V1_CONNECTORS)
     if name is None:
         return [ConfigProblem(path, "required key 'kv_connector' is missing",
                               f"name the connector; registered V0 connectors: {listing}")]
@@ -282,11 +303,11 @@ def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: 
     if nested and name == MULTI_CONNECTOR:
         return [ConfigProblem(path, "a MultiConnectorV0 child cannot itself be MultiConnectorV0",
                               "list its connectors directly in the parent's connectors")]
-    if name in registered:
-        return []
     if name in KNOWN_V1_CONNECTORS:
         return [ConfigProblem(path, f"{name!r} is a vLLM V1 connector; V0 (VLLM_USE_V1=0) cannot build it",
                               f"use a V0 connector: {listing}")]
+    if name in registered:
+        return []
     guess = did_you_mean(name, registered)
     hint = f"did you mean {guess!r}? " if guess else ""
     return [ConfigProblem(path, f"unknown connector {name!r}",
