@@ -1,0 +1,61 @@
+"""JUnit XML for CI dashboards: one testcase per check per verified request."""
+
+from __future__ import annotations
+
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from kvctl.errors import BadInput
+from kvctl.verify import VerifyReport
+
+FAILURE_MESSAGE_CHARS = 300  # the attribute is a one-line summary; the body has everything
+# Characters XML 1.0 forbids even escaped; random-model outputs can contain them.
+_NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]")
+
+
+def verify_junit(report: VerifyReport, suite_name: str | None = None) -> ET.ElementTree:
+    """The report as a <testsuites> tree with one <testsuite> per cluster."""
+    cases = [(i, r, c) for i, r in enumerate(report.requests) for c in r.checks]
+    failures = sum(1 for _, _, c in cases if not c.passed)
+    seconds = sum((r.prefill_latency_s or 0) + (r.decode_latency_s or 0) + (r.baseline_latency_s or 0)
+                  for r in report.requests)
+    root = ET.Element("testsuites", tests=str(len(cases)), failures=str(failures), errors="0",
+                      time=f"{seconds:.3f}")
+    suite = ET.SubElement(root, "testsuite", name=suite_name or f"kvctl verify {report.cluster}",
+                          tests=str(len(cases)), failures=str(failures), errors="0", skipped="0",
+                          time=f"{seconds:.3f}")
+    props = ET.SubElement(suite, "properties")
+    ET.SubElement(props, "property", name="baseline", value=report.baseline)
+    ET.SubElement(props, "property", name="max_tokens", value=str(report.max_tokens))
+    for i, request, check in cases:
+        case = ET.SubElement(suite, "testcase", classname=f"kvctl.verify.{report.cluster}.request{i}",
+                             name=check.name, time="0")
+        if check.passed:
+            ET.SubElement(case, "system-out").text = _xml_safe(check.evidence)
+        else:
+            failure = ET.SubElement(case, "failure", type="CheckFailed",
+                                    message=_xml_safe(_one_line(check.evidence)[:FAILURE_MESSAGE_CHARS]))
+            failure.text = _xml_safe(f"request {i}: {request.prompt_tokens} prompt tokens, "
+                                     f"key {request.key or '-'}\n{check.evidence}")
+    ET.indent(root)
+    return ET.ElementTree(root)
+
+
+def write_verify_junit(report: VerifyReport, path: Path | str) -> Path:
+    """Write the JUnit file. Raises BadInput when the path cannot be written."""
+    path = Path(path)
+    try:
+        verify_junit(report).write(path, encoding="utf-8", xml_declaration=True)
+    except OSError as e:
+        raise BadInput(f"cannot write the JUnit file: {e}", where=str(path),
+                       fix="pass --junit-xml a path in a writable, existing directory") from None
+    return path
+
+
+def _xml_safe(text: str) -> str:
+    return _NOT_XML.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
