@@ -4,11 +4,16 @@ Producer (``kv_producer``/``kv_both``): after a prefill step, each request's
 KV (all layers) and hidden states are gathered from the paged cache into one
 token-major entry and published atomically (connectors.store_format).
 
+Only the last prompt token's hidden state is stored: it is what samples the
+first generated token; every later token comes from the KV.
+
 Consumer (``kv_consumer``/``kv_both``): before a prefill step, the entry of
 every prefill request is loaded. The forward pass is skipped only when every
-request in the step is a complete, valid hit and the step holds no decode
-tokens; otherwise nothing is taken from the store and the step recomputes.
-A miss, a corrupt entry or a token mismatch is logged with its reason.
+request in the step is a complete, valid hit, the step holds no decode
+tokens and no request asks for prompt logprobs (they need every position's
+hidden state); otherwise nothing is taken from the store and the step
+recomputes. A miss, a corrupt entry or a token mismatch is logged with its
+reason.
 
 Config (``kv_connector_extra_config``, see connectors.config):
 ``fs_storage_path`` (relative paths resolve against the server's working
@@ -52,11 +57,15 @@ class FSConnector(KVConnectorBase):
         self.rank = rank
         self.config = config
         kv_config = config.kv_transfer_config
-        self.settings = parse_fs_settings(kv_config.kv_connector_extra_config or {})
-        _refuse_unsupported(config)
+        try:
+            self.settings = parse_fs_settings(kv_config.kv_connector_extra_config or {})
+            _refuse_unsupported(config)
+            self.root = _resolve_store_path(self.settings.fs_storage_path)
+        except ConfigError as e:
+            logger.error("FSConnector: cannot start:\n%s", e)
+            raise
         self.is_producer = kv_config.is_kv_producer
         self.is_consumer = kv_config.is_kv_consumer
-        self.root = _resolve_store_path(self.settings.fs_storage_path)
         self.store = FSStore(self.root, fsync=self.settings.fsync)
 
         model_config, parallel = config.model_config, config.parallel_config
@@ -113,10 +122,14 @@ class FSConnector(KVConnectorBase):
                 logger.info(SEND_LINE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)",
                             self.rank, key, len(tokens))
                 continue
+            if hidden.shape[0] < span.end:
+                logger.warning("[rank%d]: KV not sent for key=%s: %d hidden rows for a step of "
+                               "%d tokens", self.rank, key, hidden.shape[0], span.end)
+                continue
             slots = span_slots(model_input, span)
             try:
                 kv = torch.stack([layout.gather(cache, slots) for cache in kv_caches])
-                result = self.store.save(identity, tokens, kv, hidden[span.start:span.end])
+                result = self.store.save(identity, tokens, kv, hidden[span.end - 1:span.end])
             except OSError as e:
                 logger.error("[rank%d]: KV send FAILED for key=%s: %s", self.rank, key, e)
                 continue
@@ -145,6 +158,8 @@ class FSConnector(KVConnectorBase):
             return self._redo(model_input, step.problem or "no prefill requests in step")
         if step.num_decode_tokens:
             return self._redo(model_input, f"step has {step.num_decode_tokens} decode tokens")
+        if _wants_prompt_logprobs(model_input):
+            return self._redo(model_input, "prompt_logprobs requested (needs every position's hidden state)")
         identity, layout = self._bind(kv_caches)
         device = kv_caches[0].device
         start = time.perf_counter()
@@ -167,10 +182,14 @@ class FSConnector(KVConnectorBase):
             slots = span_slots(model_input, span)
             for cache, layer_kv in zip(kv_caches, entry.kv):
                 layout.scatter(cache, slots, layer_kv.to(cache.dtype))
-        hidden = torch.cat([entry.hidden for _, entry in loaded])
+        # The sampler reads only each prompt's last position (no prompt logprobs here).
+        last = step.spans[-1].end
+        hidden = loaded[0][1].hidden.new_zeros((last, loaded[0][1].hidden.shape[-1]))
+        for span, entry in loaded:
+            hidden[span.end - 1] = entry.hidden[-1]
         keys = ",".join(entry.key for _, entry in loaded)
         logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f", self.rank, keys,
-                    hidden.shape[0], sum(e.num_bytes for _, e in loaded),
+                    last, sum(e.num_bytes for _, e in loaded),
                     (time.perf_counter() - start) * 1e3)
         return hidden, True, model_input
 
@@ -180,6 +199,12 @@ class FSConnector(KVConnectorBase):
 
     def close(self) -> None:
         pass
+
+
+def _wants_prompt_logprobs(model_input) -> bool:
+    groups = getattr(model_input.sampling_metadata, "seq_groups", None) or []
+    return any(g.sampling_params is not None and g.sampling_params.prompt_logprobs is not None
+               for g in groups)
 
 
 def _resolve_store_path(path: str) -> Path:

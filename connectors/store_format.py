@@ -13,10 +13,12 @@ JSON header, data) holding, in this order:
 
     token_ids  I64   [tokens]                                 the prompt
     kv         dtype [layers, kv_parts, tokens, kv_heads, head_size]
-    hidden     dtype [tokens, hidden_size]                    last hidden states
+    hidden     dtype [n, hidden_size]      hidden states of the prompt's last n tokens
 
 `kv` is token-major (kv_parts = 2 for K and V, 1 for an MLA latent cache), so
-it does not depend on the paged cache's block size or device. The header's
+it does not depend on the paged cache's block size or device. FSConnector
+stores n = 1: the last prompt token's hidden state is all a decode instance
+needs to sample its first token (later tokens come from the KV). The header's
 `__metadata__` carries the format name and version, the identity fields that
 went into the key, and an xxh3-128 checksum of the whole data section.
 
