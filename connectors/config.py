@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -255,7 +255,12 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
         return [ConfigProblem(prefix, f"must be an object, got {_type_name(cfg)}",
                               'use {"kv_connector": "<name>", "kv_role": "<role>", ...}')]
     problems: list[ConfigProblem] = []
+    name = cfg.get("kv_connector")
+    # Our connectors' extra config gets its own, more specific check below.
+    own_extra = name in (FS_CONNECTOR, MULTI_CONNECTOR)
     for key, value in cfg.items():
+        if key == "kv_connector_extra_config" and own_extra:
+            continue
         if key not in KV_TRANSFER_FIELDS:
             problems.append(ConfigProblem(json_path(prefix, key), f"unknown key {key!r} (vLLM refuses it)",
                                           _unknown_key_fix(key, KV_TRANSFER_FIELDS)))
@@ -270,7 +275,6 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
                                       "ignored by vLLM V0 (V1-only); V0 finds connectors by name only",
                                       "remove it; our connectors register through the vllm.general_plugins "
                                       "entry point", "warning"))
-    name = cfg.get("kv_connector")
     problems += _check_name(name, prefix, registered, nested=parent_role is not None)
     role = cfg.get("kv_role")
     problems += _check_role(role, prefix, parent_role)

@@ -1,0 +1,147 @@
+"""`kvctl inspect-store` and `kvctl store check`: read and check the FS KV store."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import typer
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from kvctl.errors import ExitCode
+from kvctl.render import Output
+from kvctl.store_inspect import (
+    TEMP_GRACE_S,
+    FixResult,
+    StoreReport,
+    fix_store,
+    inspect_store,
+    resolve_store_dir,
+)
+
+store_app = typer.Typer(help="Check and maintain the FS KV store.", no_args_is_help=True)
+
+DIR_ARG = typer.Argument(None, metavar="[DIR]", help="Store directory (default: the store of --name).")
+NAME_OPT = typer.Option(None, "--name", "-n", help="Cluster whose store to read (default: 'default').")
+JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout.")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect-store")(inspect_store_cmd)
+    store_app.command("check")(check_cmd)
+    app.add_typer(store_app, name="store")
+
+
+def inspect_store_cmd(
+    directory: Optional[str] = DIR_ARG,
+    name: Optional[str] = NAME_OPT,
+    verify: bool = typer.Option(False, "--verify", help="Read every entry: checksum, key and token ids."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """List the store's entries (key, tokens, shape, dtype, bytes, created) and stray files.
+
+    Exits 1 with --verify when any entry is invalid.
+    """
+    out = Output(json_mode=json_out)
+    report = inspect_store(resolve_store_dir(directory, name), verify=verify)
+    if json_out:
+        out.emit_json(report.to_json())
+    else:
+        render_report(report, out)
+    if verify and report.invalid:
+        raise typer.Exit(int(ExitCode.CHECK_FAILED))
+
+
+def check_cmd(
+    directory: Optional[str] = DIR_ARG,
+    name: Optional[str] = NAME_OPT,
+    fix: bool = typer.Option(False, "--fix", help="Remove stale temp files and invalid entries "
+                                                  "(never foreign files)."),
+    grace: float = typer.Option(TEMP_GRACE_S, "--grace", min=0,
+                                help="Seconds a temp file may be a live write before --fix removes it."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Verify every entry and flag temp leftovers and foreign files.
+
+    Exits 1 when invalid entries or temp files remain (after --fix, if given).
+    """
+    out = Output(json_mode=json_out)
+    root = resolve_store_dir(directory, name)
+    report = inspect_store(root, verify=True)
+    fixed = fix_store(report, temp_grace_s=grace) if fix else None
+    after = inspect_store(root, verify=True) if fixed and fixed.removed else report
+    if json_out:
+        out.emit_json({**after.to_json(), "fix": fixed.to_json() if fixed else None,
+                       "passed": after.problems == 0})
+    else:
+        render_report(report, out)
+        if fixed:
+            render_fix(fixed, out)
+        verdict = "[green]store OK[/green]" if after.problems == 0 else (
+            f"[red]{len(after.invalid)} invalid entr{'y' if len(after.invalid) == 1 else 'ies'}, "
+            f"{len(after.temp_files)} temp file(s) remain[/red]"
+            + ("" if fix else " (kvctl store check --fix removes them)"))
+        out.stdout.print(verdict)
+    if after.problems:
+        raise typer.Exit(int(ExitCode.CHECK_FAILED))
+
+
+# ---------------------------------------------------------------- rendering
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _when(ts: float | None) -> str:
+    """Time of day for today's entries, the date for older ones."""
+    if not ts:
+        return "-"
+    same_day = time.localtime(ts)[:3] == time.localtime()[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d", time.localtime(ts))
+
+
+def render_report(report: StoreReport, out: Output) -> None:
+    table = Table(title=escape(f"FS store {report.root}"), title_justify="left", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False)
+    right = {"justify": "right"}
+    for col, kw in (("key", {"no_wrap": True}), ("tokens", right), ("layers", right), ("kv heads", right),
+                    ("head size", right), ("dtype", {}), ("bytes", {**right, "no_wrap": True}),
+                    ("created", {"no_wrap": True}), ("valid", {"no_wrap": True})):
+        table.add_column(col, **kw)
+    for e in report.entries:
+        ident = e.identity
+        valid = {True: "[green]yes[/green]", False: "[red]NO[/red]", None: "[dim]unread[/dim]"}[e.valid]
+        table.add_row(e.key[:10] + "…", str(e.num_tokens) if ident else "?",
+                      str(ident.num_layers) if ident else "?", str(ident.kv_heads) if ident else "?",
+                      str(ident.head_size) if ident else "?", ident.dtype if ident else "?",
+                      _size(e.bytes), _when(e.created), valid)
+    out.stdout.print(table)
+    for e in report.invalid:
+        out.stdout.print(f"[red]invalid[/red] {escape(e.path.name)}: {escape(e.error or '')}", highlight=False)
+    for t in report.temp_files:
+        out.stdout.print(f"[yellow]temp leftover[/yellow] {escape(t.path.name)} ({_size(t.bytes)}, "
+                         f"{t.age_s:.0f}s old)", highlight=False)
+    for f in report.foreign_files:
+        kind = "foreign dir" if f.is_dir else "foreign file"
+        size = "" if f.is_dir else f" ({_size(f.bytes)})"
+        out.stdout.print(f"[yellow]{kind}[/yellow] {escape(f.path.name)}{size}",
+                         highlight=False)
+    valid = sum(1 for e in report.entries if e.valid)
+    checked = f", {valid} valid, {len(report.invalid)} invalid" if report.verified else (
+        f", {len(report.invalid)} invalid (add --verify to check data)")
+    n = len(report.entries)
+    out.stdout.print(f"{n} entr{'y' if n == 1 else 'ies'}, {_size(report.total_bytes)}{checked}; "
+                     f"{len(report.temp_files)} temp, {len(report.foreign_files)} foreign", highlight=False)
+
+
+def render_fix(fixed: FixResult, out: Output) -> None:
+    for path, reason in fixed.removed:
+        out.stdout.print(f"[green]removed[/green] {escape(path.name)}: {escape(reason)}", highlight=False)
+    for path, reason in fixed.kept:
+        out.stdout.print(f"[dim]kept[/dim] {escape(path.name)}: {escape(reason)}", highlight=False)

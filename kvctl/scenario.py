@@ -1,0 +1,409 @@
+"""Scenario files: a 1P1D cluster, its prompts and what verification expects.
+
+The schema is documented for users in scenarios/README.md; `Scenario` is its
+one definition. `check_scenario` reports every problem (schema, each role's
+kv-transfer-config, cross-role rules) as ConfigProblems with JSON paths;
+`load_scenario` returns a valid Scenario or raises BadInput.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from connectors.config import (
+    FS_CONNECTOR,
+    MULTI_CONNECTOR,
+    RECEIVING_ROLES,
+    SENDING_ROLES,
+    ConfigProblem,
+    check_kv_transfer_config,
+    fs_store_path,
+    json_path,
+    pydantic_problems,
+)
+from kvctl.errors import BadInput
+from kvctl.paths import project_root
+
+CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
+# Replaced in kv_transfer_config strings at launch, as the server sees them:
+# the shared store dir, and a dir private to the instance (e.g. an offload cache).
+STORE_PLACEHOLDER = "${store}"
+INSTANCE_DIR_PLACEHOLDER = "${instance_dir}"
+# vLLM flags kvctl sets itself, from the named scenario field.
+MANAGED_ARGS = {
+    "--kv-transfer-config": "remove it; set the role's kv_transfer_config instead",
+    "--port": "remove it; kvctl picks free ports",
+    "--served-model-name": "remove it; set served_model_name instead",
+    "--model": "remove it; set model instead",
+}
+SCENARIO_SUFFIXES = (".yaml", ".yml")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptSpec(_Strict):
+    """A prompt: plain `text`, or `repeat` joined `times` times (the seed's long prompt)."""
+
+    text: str | None = None
+    repeat: str | None = Field(default=None, min_length=1)
+    times: int | None = Field(default=None, ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "PromptSpec":
+        if (self.text is None) == (self.repeat is None):
+            raise ValueError("give either text or repeat (with times)")
+        if self.repeat is not None and self.times is None:
+            raise ValueError("repeat needs times")
+        if self.text is not None and self.times is not None:
+            raise ValueError("times goes with repeat, not text")
+        return self
+
+    def render(self) -> str:
+        return self.text if self.text is not None else self.repeat * (self.times or 1)
+
+
+class RoleSpec(_Strict):
+    """One instance (prefill or decode)."""
+
+    kv_transfer_config: dict[str, Any]
+    args: list[str] = Field(default_factory=list)  # extra vLLM server arguments
+    env: dict[str, str] = Field(default_factory=dict)
+    docker_host: str | None = None  # DOCKER_HOST-style URL; None = the local engine
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_strings(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                if not isinstance(v, str):
+                    raise ValueError(f"{k}: env values must be strings, got {v!r}; quote it in YAML")
+                if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", str(k)):
+                    raise ValueError(f"{k!r} is not an environment variable name")
+        return value
+
+
+class Expectations(_Strict):
+    checks: list[Literal["kv_send_logged", "store_entry_written", "decode_skipped_forward",
+                         "output_matches_baseline"]] = Field(default_factory=lambda: list(CHECK_NAMES))
+    # `sent to connector <Name>` lines P must log per request; None = derived from P's config.
+    sent_to_connectors: list[str] | None = None
+
+
+class Scenario(_Strict):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
+    description: str = ""
+    runtime: Literal["local", "docker", "auto"] = "local"
+    model: str = Field(default="tiny", min_length=1)  # "tiny", a path, or a hub id passed to vLLM
+    served_model_name: str | None = None
+    image: str | None = None  # docker only; None = the runtime's default image
+    gpus: list[str] | None = None  # docker only: [prefill devices, decode devices], e.g. ["0", "1"]
+    prefill: RoleSpec
+    decode: RoleSpec
+    store: str | None = None  # host dir shared by P and D; None = a fresh dir per run
+    prompts: list[PromptSpec] = Field(min_length=1)
+    max_tokens: int = Field(default=16, ge=1)
+    expectations: Expectations = Field(default_factory=Expectations)
+    timeout: float = Field(default=600, gt=0)  # seconds for the cluster to become ready
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _plain_prompts(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"text": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _gpu_strings(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [str(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in value]
+        return value
+
+    def prompt_texts(self) -> list[str]:
+        return [p.render() for p in self.prompts]
+
+    def role(self, role: Literal["prefill", "decode"]) -> RoleSpec:
+        return self.prefill if role == "prefill" else self.decode
+
+    def resolved_config(self, role: Literal["prefill", "decode"], store_dir: str,
+                        instance_dir: str) -> dict[str, Any]:
+        """The role's kv-transfer-config with `${store}` and `${instance_dir}` replaced."""
+        values = {STORE_PLACEHOLDER: store_dir, INSTANCE_DIR_PLACEHOLDER: instance_dir}
+        return _substitute(self.role(role).kv_transfer_config, values)
+
+    def expected_sent_to(self) -> list[str]:
+        """Connector names P logs `sent to connector <Name>` for, per request."""
+        if self.expectations.sent_to_connectors is not None:
+            return list(self.expectations.sent_to_connectors)
+        return _sending_children(self.prefill.kv_transfer_config)
+
+
+def _substitute(value: Any, values: dict[str, str]) -> Any:
+    if isinstance(value, str):
+        for placeholder, replacement in values.items():
+            value = value.replace(placeholder, replacement)
+        return value
+    if isinstance(value, dict):
+        return {k: _substitute(v, values) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, values) for v in value]
+    return value
+
+
+def _sending_children(cfg: dict) -> list[str]:
+    if cfg.get("kv_connector") != MULTI_CONNECTOR:
+        return []
+    children = (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
+    return [c["kv_connector"] for c in children
+            if isinstance(c, dict) and c.get("kv_role") in SENDING_ROLES and isinstance(c.get("kv_connector"), str)]
+
+
+# ---------------------------------------------------------------- checking
+
+_FIXES = {
+    "name": "use lowercase letters, digits, '.', '_' or '-', e.g. the file name without .yaml",
+    "runtime": "use local, docker or auto",
+    "model": 'use "tiny" (the generated test model), a model directory, or a hub id',
+    "gpus": 'give one device spec per role: [prefill, decode], e.g. ["0", "1"]',
+    "prefill": "see scenarios/README.md: kv_transfer_config (required), args, env, docker_host",
+    "decode": "see scenarios/README.md: kv_transfer_config (required), args, env, docker_host",
+    "prompts": 'list strings, or {repeat: "text", times: N} for a long prompt',
+    "max_tokens": "use a whole number >= 1",
+    "expectations": f"checks may list: {', '.join(CHECK_NAMES)}; sent_to_connectors: connector names",
+    "timeout": "use a positive number of seconds",
+    "store": "use a directory path, or null for a fresh directory per run",
+}
+
+
+def _known_keys(parent: tuple) -> list[str]:
+    """The keys allowed at a location, for did-you-mean on unknown keys."""
+    model: type[BaseModel] = Scenario
+    if parent[:1] in (("prefill",), ("decode",)):
+        model = RoleSpec
+    elif parent[:1] == ("expectations",):
+        model = Expectations
+    elif parent[:1] == ("prompts",):
+        model = PromptSpec
+    return list(model.model_fields)
+
+
+def check_scenario(obj: object) -> list[ConfigProblem]:
+    """Every problem in a scenario (a parsed YAML document or a Scenario)."""
+    if isinstance(obj, Scenario):
+        raw: Any = obj.model_dump(mode="json")
+    else:
+        raw = obj
+    if not isinstance(raw, dict):
+        return [ConfigProblem("$", f"a scenario must be a mapping, got {type(raw).__name__}",
+                              "see scenarios/README.md for the schema")]
+    problems: list[ConfigProblem] = []
+    try:
+        scenario: Scenario | None = Scenario.model_validate(raw)
+    except ValidationError as e:
+        scenario = None
+        problems += pydantic_problems(e, "$", _known_keys, _FIXES)
+    # Each role's connector config is checked even when the schema failed elsewhere.
+    for role in ("prefill", "decode"):
+        spec = raw.get(role)
+        cfg = spec.get("kv_transfer_config") if isinstance(spec, dict) else None
+        if isinstance(cfg, dict):
+            for p in check_kv_transfer_config(cfg):
+                p.path = "$." + role + ".kv_transfer_config" + p.path[1:]
+                problems.append(p)
+    if scenario is not None:
+        problems += _cross_checks(scenario)
+    return problems
+
+
+def _cross_checks(s: Scenario) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    p_cfg, d_cfg = s.prefill.kv_transfer_config, s.decode.kv_transfer_config
+    if p_cfg.get("kv_role") in RECEIVING_ROLES and p_cfg.get("kv_role") not in SENDING_ROLES:
+        problems.append(ConfigProblem("$.prefill.kv_transfer_config.kv_role",
+                                      "the prefill instance must send KV, but kv_consumer only receives",
+                                      "use kv_producer or kv_both"))
+    if d_cfg.get("kv_role") in SENDING_ROLES and d_cfg.get("kv_role") not in RECEIVING_ROLES:
+        problems.append(ConfigProblem("$.decode.kv_transfer_config.kv_role",
+                                      "the decode instance must receive KV, but kv_producer only sends",
+                                      "use kv_consumer (or kv_both)"))
+    problems += _check_store_paths(s)
+    problems += _check_placeholders(s)
+    problems += _check_role_specs(s)
+    sent = s.expected_sent_to()
+    children = _sending_children(p_cfg)
+    for i, name in enumerate(s.expectations.sent_to_connectors or []):
+        if name not in children:
+            problems.append(ConfigProblem(
+                f"$.expectations.sent_to_connectors[{i}]",
+                f"P never logs 'sent to connector {name}': it is not a sending MultiConnectorV0 child of P",
+                f"expect only P's sending children: {', '.join(children) or '(none: P is not a multi connector)'}"))
+    if "kv_send_logged" in s.expectations.checks and p_cfg.get("kv_connector") == MULTI_CONNECTOR and not sent:
+        problems.append(ConfigProblem("$.prefill.kv_transfer_config", "P's multi connector has no sending child",
+                                      "add a kv_producer or kv_both child"))
+    return problems
+
+
+def _check_store_paths(s: Scenario) -> list[ConfigProblem]:
+    p_path = fs_store_path(s.prefill.kv_transfer_config, "send")
+    d_path = fs_store_path(s.decode.kv_transfer_config, "recv")
+    checks = s.expectations.checks
+    problems: list[ConfigProblem] = []
+    p_sends = s.prefill.kv_transfer_config.get("kv_role") in SENDING_ROLES
+    d_receives = s.decode.kv_transfer_config.get("kv_role") in RECEIVING_ROLES
+    if p_path is None and p_sends and ("store_entry_written" in checks or d_path is not None):
+        problems.append(ConfigProblem(
+            "$.prefill.kv_transfer_config",
+            "no FSConnector on P sends to the transfer store (kvctl verifies transfer through it)",
+            f'use FSConnector (kv_producer), or a {MULTI_CONNECTOR} child {{"kv_connector": "{FS_CONNECTOR}", '
+            '..., "transfer": true}'))
+    if d_path is None and d_receives:
+        problems.append(ConfigProblem(
+            "$.decode.kv_transfer_config",
+            "no FSConnector on D reads the transfer store",
+            f'use {{"kv_connector": "{FS_CONNECTOR}", "kv_role": "kv_consumer", '
+            f'"kv_connector_extra_config": {{"fs_storage_path": "{STORE_PLACEHOLDER}"}}}}'))
+    if p_path is not None and d_path is not None and p_path != d_path:
+        problems.append(ConfigProblem(
+            "$.decode.kv_transfer_config",
+            f"D reads {d_path!r} but P's transfer store is {p_path!r}: D would never find P's entries",
+            f"use the same fs_storage_path on both, e.g. {STORE_PLACEHOLDER!r}"))
+    if s.store is not None and p_path is not None and STORE_PLACEHOLDER not in p_path:
+        problems.append(ConfigProblem(
+            "$.store", f"store is set but the transfer path {p_path!r} does not use {STORE_PLACEHOLDER}",
+            f"write fs_storage_path: {STORE_PLACEHOLDER!r} in both roles, or drop store", "warning"))
+    return problems
+
+
+def _check_placeholders(s: Scenario) -> list[ConfigProblem]:
+    known = (STORE_PLACEHOLDER, INSTANCE_DIR_PLACEHOLDER)
+    problems = []
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, str):
+            for found in re.findall(r"\$\{[^}]*\}?", value):
+                if found not in known:
+                    problems.append(ConfigProblem(path, f"unknown placeholder {found!r}",
+                                                  f"use {' or '.join(known)}"))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, json_path(path, k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, json_path(path, i))
+
+    for role in ("prefill", "decode"):
+        walk(s.role(role).kv_transfer_config, f"$.{role}.kv_transfer_config")
+    return problems
+
+
+def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    for role in ("prefill", "decode"):
+        spec = s.role(role)
+        for i, arg in enumerate(spec.args):
+            flag = arg.split("=", 1)[0]
+            if flag in MANAGED_ARGS:
+                problems.append(ConfigProblem(f"$.{role}.args[{i}]", f"{flag} is set by kvctl",
+                                              MANAGED_ARGS[flag]))
+        v1 = spec.env.get("VLLM_USE_V1")
+        if v1 is not None and v1 != "0":
+            problems.append(ConfigProblem(f"$.{role}.env.VLLM_USE_V1", f"VLLM_USE_V1={v1}: V0 connectors need V0",
+                                          "remove it (kvctl sets VLLM_USE_V1=0)"))
+        if spec.docker_host is not None and s.runtime == "local":
+            problems.append(ConfigProblem(f"$.{role}.docker_host", "ignored by the local runtime",
+                                          "remove it, or use runtime: docker", "warning"))
+    if s.gpus is not None:
+        if len(s.gpus) != 2:
+            problems.append(ConfigProblem("$.gpus", f"needs 2 entries (prefill, decode), got {len(s.gpus)}",
+                                          _FIXES["gpus"]))
+        if s.runtime == "local":
+            problems.append(ConfigProblem("$.gpus", "ignored by the local (CPU) runtime",
+                                          "remove it, or use runtime: docker", "warning"))
+    if s.image is not None and s.runtime == "local":
+        problems.append(ConfigProblem("$.image", "ignored by the local runtime",
+                                      "remove it, or use runtime: docker", "warning"))
+    if s.runtime != "local" and (s.prefill.docker_host or "") != (s.decode.docker_host or ""):
+        if s.store is None:
+            problems.append(ConfigProblem(
+                "$.store", "P and D run on different docker hosts, but store is a fresh local directory "
+                           "neither host can see",
+                "set store to a directory both hosts mount at the same path (e.g. NFS)"))
+        else:
+            problems.append(ConfigProblem(
+                "$.store", f"P and D run on different docker hosts: {s.store!r} must be one shared "
+                           "filesystem mounted on both (e.g. NFS), not two local directories",
+                "mount the same network filesystem at this path on both hosts", "warning"))
+    return problems
+
+
+# ---------------------------------------------------------------- loading
+
+def scenarios_dir() -> Path:
+    """The shipped scenarios: `scenarios/` next to the kvctl package."""
+    return project_root() / "scenarios"
+
+
+def list_scenarios() -> list[Path]:
+    """Shipped scenario files, sorted by name."""
+    d = scenarios_dir()
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if p.suffix in SCENARIO_SUFFIXES and p.is_file())
+
+
+def scenario_file(name_or_path: str) -> Path:
+    """A scenario's file: an existing path, or a shipped scenario's name. Raises BadInput."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    looks_like_path = path.suffix in SCENARIO_SUFFIXES or "/" in name_or_path
+    if not looks_like_path:
+        for candidate in list_scenarios():
+            if candidate.stem == name_or_path:
+                return candidate
+    names = ", ".join(p.stem for p in list_scenarios()) or "(none shipped)"
+    if looks_like_path:
+        raise BadInput(f"scenario file {name_or_path} does not exist", where=str(path.resolve()),
+                       fix=f"give an existing YAML file, or a shipped scenario name: {names}")
+    raise BadInput(f"unknown scenario {name_or_path!r}", where=str(scenarios_dir()),
+                   fix=f"use one of: {names} (or a path to a YAML file)")
+
+
+def read_scenario_yaml(path: Path) -> object:
+    """The parsed YAML document. Raises BadInput for unreadable or invalid YAML."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"cannot read scenario file: {e}", where=str(path)) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise BadInput(f"scenario file is not valid YAML: {problem}", where=where,
+                       fix="fix the YAML syntax (indentation, quotes around values with ': ' or '#')") from None
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    """A valid Scenario from a shipped name or a file path.
+
+    Raises BadInput for a missing file, bad YAML, or any error-level problem
+    (all problems listed in its details). Warnings do not stop loading.
+    """
+    path = scenario_file(name_or_path)
+    raw = read_scenario_yaml(path)
+    problems = check_scenario(raw)
+    errors = [p for p in problems if p.severity == "error"]
+    if errors:
+        raise BadInput(f"scenario {path.name} has {len(errors)} problem{'s' if len(errors) != 1 else ''}",
+                       where=str(path), fix=f"run: kvctl validate {path}",
+                       details="\n".join(str(p) for p in problems))
+    return Scenario.model_validate(raw)
