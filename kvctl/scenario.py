@@ -346,8 +346,13 @@ def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
 # ---------------------------------------------------------------- loading
 
 def scenarios_dir() -> Path:
-    """The shipped scenarios: `scenarios/` next to the kvctl package."""
-    return project_root() / "scenarios"
+    """The shipped scenarios: `scenarios/` at the top of the source checkout.
+
+    A wheel has no checkout; it may carry them as package data in
+    `kvctl/scenarios/`, which is then used instead.
+    """
+    packaged = Path(__file__).resolve().parent / "scenarios"
+    return packaged if packaged.is_dir() else project_root() / "scenarios"
 
 
 def list_scenarios() -> list[Path]:
