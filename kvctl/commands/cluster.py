@@ -1,0 +1,215 @@
+"""`kvctl launch 1p1d`, `kvctl status`, `kvctl logs`, `kvctl down`.
+
+Each command parses options, calls one function of kvctl.launch, and renders
+the result (rich on stderr for people, one JSON object on stdout for --json).
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+from pathlib import Path
+
+import typer
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from kvctl import launch as lifecycle
+from kvctl.cluster import (
+    DEFAULT_NAME,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_WORKER_CLS,
+    build_1p1d_spec,
+    parse_config_option,
+    parse_env_items,
+)
+from kvctl.errors import BadInput, ExitCode
+from kvctl.render import Output
+from kvctl.runtime import RUNTIME_CHOICES, select_runtime
+
+
+class Role(str, Enum):
+    prefill = "prefill"
+    decode = "decode"
+
+
+_NAME_HELP = "Cluster name (its state lives in $KVCTL_HOME/clusters/NAME)."
+
+
+class _LaunchDisplay:
+    """Renders LaunchProgress: a live table on a terminal, state changes otherwise."""
+
+    def __init__(self, out: Output):
+        self.out = out
+        self.live: Live | None = None
+        self.seen: dict[str, str] = {}
+
+    def __enter__(self) -> _LaunchDisplay:
+        if self.out.stderr.is_terminal:
+            self.live = Live(Text("starting servers..."), console=self.out.stderr,
+                             refresh_per_second=4, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.live is not None:
+            self.live.__exit__(None, None, None)
+
+    def __call__(self, p: lifecycle.LaunchProgress) -> None:
+        if self.live is not None:
+            self.live.update(self._table(p))
+            return
+        for role, rp in p.roles.items():
+            if self.seen.get(role) != rp.state:
+                self.seen[role] = rp.state
+                self.out.info(f"{role}: {rp.state} ({p.elapsed_s:.1f} s)")
+
+    @staticmethod
+    def _table(p: lifecycle.LaunchProgress) -> Table:
+        table = Table(title=f"launching cluster {p.cluster!r}  {p.elapsed_s:5.1f} s",
+                      title_justify="left", expand=True)
+        table.add_column("role", no_wrap=True)
+        table.add_column("state", no_wrap=True)
+        table.add_column("ready", no_wrap=True)
+        table.add_column("last log line", overflow="ellipsis", no_wrap=True, ratio=1)
+        colours = {"starting": "yellow", "healthy": "green", "failed": "red"}
+        for role, rp in p.roles.items():
+            table.add_row(role, Text(rp.state, style=colours.get(rp.state, "")),
+                          f"{rp.ready_s:.1f} s" if rp.ready_s is not None else "",
+                          Text(rp.last_line))
+        return table
+
+
+def launch_1p1d_cmd(
+    name: str = typer.Option(DEFAULT_NAME, "--name", help=_NAME_HELP),
+    runtime: str = typer.Option("auto", "--runtime", help=f"One of {', '.join(RUNTIME_CHOICES)}."),
+    model: Path | None = typer.Option(None, "--model", help="HF model dir (default: the tiny model)."),
+    served_model_name: str | None = typer.Option(
+        None, "--served-model-name", help="Model name in API requests (default: the model dir's name)."),
+    prefill_config: str | None = typer.Option(
+        None, "--prefill-config", help="kv-transfer-config JSON or @file for P; 'none' for no connector."),
+    decode_config: str | None = typer.Option(
+        None, "--decode-config", help="kv-transfer-config JSON or @file for D; 'none' for no connector."),
+    store: Path | None = typer.Option(None, "--store", help="Shared store dir (default: CLUSTER_DIR/store)."),
+    timeout: float = typer.Option(DEFAULT_TIMEOUT_S, "--timeout", help="Seconds to wait for both /health."),
+    prefill_port: int = typer.Option(0, "--prefill-port", help="P's port (default: a free one)."),
+    decode_port: int = typer.Option(0, "--decode-port", help="D's port (default: a free one)."),
+    prefill_arg: list[str] = typer.Option([], "--prefill-arg", help="Extra vLLM argument for P (repeat; use --prefill-arg=--flag)."),
+    decode_arg: list[str] = typer.Option([], "--decode-arg", help="Extra vLLM argument for D (repeat)."),
+    prefill_env: list[str] = typer.Option([], "--prefill-env", help="KEY=VALUE for P's environment (repeat)."),
+    decode_env: list[str] = typer.Option([], "--decode-env", help="KEY=VALUE for D's environment (repeat)."),
+    worker_cls: str = typer.Option(DEFAULT_WORKER_CLS, "--worker-cls",
+                                   help="vLLM --worker-cls; 'auto' for vLLM's default (no KV hooks on CPU)."),
+    json_: bool = typer.Option(False, "--json", help="Print the cluster state as JSON."),
+) -> None:
+    """Launch one prefill and one decode vLLM server sharing a KV store."""
+    out = Output(json_mode=json_)
+    chosen, why = select_runtime(runtime)
+    spec = build_1p1d_spec(
+        name=name, runtime=chosen, model=model, served_model_name=served_model_name,
+        prefill_config=parse_config_option(prefill_config, "--prefill-config"),
+        decode_config=parse_config_option(decode_config, "--decode-config"),
+        store=store, timeout_s=timeout, prefill_port=prefill_port, decode_port=decode_port,
+        prefill_args=tuple(prefill_arg), decode_args=tuple(decode_arg),
+        prefill_env=parse_env_items(prefill_env, "--prefill-env"),
+        decode_env=parse_env_items(decode_env, "--decode-env"),
+        worker_cls=None if worker_cls in ("auto", "") else worker_cls)
+    out.info(f"runtime: [bold]{chosen}[/bold] ({why}); model {spec.model}; store {spec.store}")
+    with _LaunchDisplay(out) as display:
+        state = lifecycle.launch_1p1d(spec, progress=display)
+    if json_:
+        out.emit_json(state.to_json())
+        return
+    table = Table(title=f"cluster {state.name!r} is up", title_justify="left")
+    for col in ("role", "url", "pid", "log"):
+        table.add_column(col, overflow="fold")
+    for role, rec in state.instances.items():
+        ident = rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", "")
+        table.add_row(role, rec.url, str(ident), rec.log_path)
+    out.stdout.print(table)
+    out.info(f"store: {state.store}\nnext: `kvctl verify --name {state.name}`, "
+             f"`kvctl down --name {state.name}`")
+
+
+def status_cmd(
+    name: str | None = typer.Option(None, "--name", help="One cluster (default: list all)."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Show clusters and whether their servers run and answer /health.
+
+    With --name, exits 1 when a server is not healthy.
+    """
+    out = Output(json_mode=json_)
+    statuses = [lifecycle.cluster_status(name)] if name else lifecycle.all_cluster_status()
+    if json_:
+        out.emit_json(statuses[0].to_json() if name else {"clusters": [s.to_json() for s in statuses]})
+    elif not statuses:
+        out.info("no clusters (start one with `kvctl launch 1p1d`)")
+    else:
+        table = Table(title_justify="left")
+        for col in ("cluster", "role", "state", "url", "pid", "log"):
+            table.add_column(col, overflow="fold")
+        for st in statuses:
+            for role, h in st.instances.items():
+                rec = st.state.instances[role]
+                state = ("[green]healthy[/green]" if h.healthy else
+                         "[yellow]running, not healthy[/yellow]" if h.running else
+                         f"[red]down[/red] ({h.detail})")
+                ident = rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", "")
+                table.add_row(st.state.name, role, state, rec.url, str(ident), rec.log_path)
+        out.stdout.print(table)
+    if name and not statuses[0].healthy:
+        raise typer.Exit(ExitCode.CHECK_FAILED)
+
+
+def logs_cmd(
+    role: Role = typer.Argument(..., help="prefill or decode."),
+    name: str = typer.Option(DEFAULT_NAME, "--name", help=_NAME_HELP),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines while it runs."),
+    tail: int | None = typer.Option(None, "--tail", "-n", min=0, help="Only the last K lines."),
+) -> None:
+    """Print a server's log (stdout)."""
+    inst = lifecycle.instance(name, role.value)
+    try:
+        for line in inst.logs(tail=tail, follow=follow):
+            sys.stdout.write(line + "\n")
+            if follow:
+                sys.stdout.flush()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C is how --follow ends
+    except FileNotFoundError:
+        raise BadInput(f"the {role.value} log is missing: {inst.log_path}", where=str(inst.log_path),
+                       fix=f"relaunch the cluster (`kvctl down --name {name}` first)") from None
+
+
+def down_cmd(
+    name: str = typer.Option(DEFAULT_NAME, "--name", help=_NAME_HELP),
+    keep_store: bool = typer.Option(False, "--keep-store", help="Keep the store dir."),
+    json_: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Stop a cluster's servers and remove its state (idempotent)."""
+    out = Output(json_mode=json_)
+    report = lifecycle.down(name, keep_store=keep_store)
+    if json_:
+        out.emit_json(report.to_json())
+        return
+    if not report.found:
+        out.info(f"no cluster named {name!r}; nothing to tear down")
+        return
+    for s in report.stopped:
+        what = f"stopped ({s.signal}, {s.seconds:.1f} s)" if s.was_running else "was not running"
+        out.info(f"{s.role}: {what}")
+    if report.kept_store:
+        out.info(f"removed cluster {name!r} ({report.removed}); kept its store {report.kept_store}")
+    else:
+        out.info(f"removed cluster {name!r} ({report.removed})")
+
+
+def register(app: typer.Typer) -> None:
+    launch_app = typer.Typer(help="Launch a cluster.", no_args_is_help=True)
+    launch_app.command("1p1d")(launch_1p1d_cmd)
+    app.add_typer(launch_app, name="launch")
+    app.command("status")(status_cmd)
+    app.command("logs")(logs_cmd)
+    app.command("down")(down_cmd)

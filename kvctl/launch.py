@@ -1,0 +1,447 @@
+"""Cluster lifecycle: launch a 1P1D cluster, report its status, tear it down.
+
+`launch_1p1d` starts P and D, records them in cluster.json as soon as each
+process exists (so a `kvctl down` can always find them, even if the launching
+kvctl is killed), then waits for both `/health` endpoints while watching for
+process death. Any failure, Ctrl-C, SIGTERM or SIGHUP stops everything it
+started and removes the state (the logs stay, for reading) before the error
+propagates. `running_cluster` wraps launch and `down` for callers that must
+always tear down (scenarios, tests).
+
+Library code: nothing here prints; progress goes to an optional callback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvctl.cluster import (
+    STATE_FILE,
+    ClusterSpec,
+    ClusterState,
+    InstanceRecord,
+    cluster_dir,
+    clusters_root,
+    list_clusters,
+    load_cluster,
+    remove_state,
+    save_cluster,
+    utc_now,
+)
+from kvctl.errors import BadInput, KvctlError, RuntimeFailure
+from kvctl.runtime import ROLES, get_runtime
+from kvctl.runtime.base import (
+    Instance,
+    InstanceSpec,
+    StopResult,
+    last_log_line,
+    read_log_tail,
+)
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5  # how often launch checks /health and the processes
+HEALTH_TIMEOUT_S = 2.0  # one /health request
+STOP_GRACE_S = 10.0  # SIGTERM → SIGKILL
+LOG_TAIL_LINES = 30  # shown when a server fails to start
+
+
+# --- progress reporting (the CLI renders it; scenarios may log it) ---
+
+@dataclass
+class RoleProgress:
+    role: str
+    state: str = "starting"  # starting | healthy | failed
+    ready_s: float | None = None  # seconds from launch to healthy
+    last_line: str = ""  # the server's latest log line
+
+
+@dataclass
+class LaunchProgress:
+    cluster: str
+    elapsed_s: float = 0.0
+    roles: dict[str, RoleProgress] = field(default_factory=dict)
+
+
+ProgressFn = Callable[[LaunchProgress], None]
+
+
+# --- signals: Ctrl-C, SIGTERM and SIGHUP all mean "stop and clean up" ---
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP during a launch; handled exactly like Ctrl-C."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """Turn SIGINT, SIGTERM and SIGHUP into exceptions, so cleanup runs.
+
+    SIGINT gets Python's own handler even when it was inherited as ignored
+    (a background job of a non-interactive shell): a Ctrl-C or `kill -INT`
+    sent to a launch must still stop the servers.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread can set handlers; the caller owns signals then
+        return
+    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    previous.update({s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)})
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Cleanup must finish: a second Ctrl-C must not leave servers running."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _run_to_completion(cleanup: Callable[[], None]) -> None:
+    """Run `cleanup` with signals ignored; a signal that slips in before the
+    handlers are swapped restarts it (cleanup is idempotent)."""
+    while True:
+        try:
+            with _signals_ignored():
+                cleanup()
+            return
+        except KeyboardInterrupt:
+            continue
+
+
+# --- launch ---
+
+@contextlib.contextmanager
+def _launch_lock(name: str) -> Iterator[None]:
+    """One launch per cluster name at a time (two would race for the state)."""
+    root = clusters_root()
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput(f"another `kvctl launch` of cluster {name!r} is in progress",
+                           where=str(cluster_dir(name)),
+                           fix="wait for it, or use another --name") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _attach_all(state: ClusterState) -> dict[str, Instance]:
+    runtime = get_runtime(state.runtime)
+    return {role: runtime.attach(role, rec.url, Path(rec.log_path), rec.runtime_fields)
+            for role, rec in state.instances.items()}
+
+
+def _stop_all(instances: dict[str, Instance], grace_s: float = STOP_GRACE_S) -> list[StopResult]:
+    """Stop every instance in parallel; tries all, then raises the first failure."""
+    if not instances:
+        return []
+    with ThreadPoolExecutor(max_workers=len(instances)) as pool:
+        futures = {role: pool.submit(inst.stop, grace_s) for role, inst in instances.items()}
+    results, errors = [], []
+    for role, fut in futures.items():
+        try:
+            results.append(fut.result())
+        except KvctlError as e:
+            log.error("stopping the %s server failed: %s", role, e.what)
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _ensure_name_free(name: str) -> None:
+    """BadInput if cluster `name` is running; clean up its state if it is stale."""
+    if not (cluster_dir(name) / STATE_FILE).exists():
+        return
+    state = load_cluster(name)
+    instances = _attach_all(state)
+    running = [r for r, i in instances.items() if i.status().running]
+    if running:
+        raise BadInput(f"cluster {name!r} already exists and is running ({', '.join(running)})",
+                       where=str(cluster_dir(name)),
+                       fix=f"tear it down with `kvctl down --name {name}`, or launch with another --name")
+    log.info("cluster %r has state but no running server; cleaning it up (store kept)", name)
+    _stop_all(instances)  # stray children of a dead leader
+    remove_state(name)
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct free loopback ports (all held open together while choosing)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
+    cdir = cluster_dir(spec.name)
+    free = iter(_free_ports(2))
+    specs = {}
+    for role in ROLES:
+        rs = spec.role(role)
+        specs[role] = InstanceSpec(
+            cluster=spec.name, role=role, model=spec.model,
+            served_model_name=spec.served_model_name, dtype=spec.dtype,
+            port=rs.port or next(free), cwd=cdir, log_path=cdir / "logs" / f"{role}.log",
+            kv_transfer_config=rs.kv_transfer_config, worker_cls=spec.worker_cls,
+            block_size=spec.block_size, max_model_len=spec.max_model_len,
+            cpu_bind=rs.cpu_bind, extra_args=rs.extra_args, env=rs.env)
+    return specs
+
+
+def _is_healthy(client: httpx.Client, url: str) -> bool:
+    try:
+        return client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _startup_failure(role: str, inst: Instance, what: str, fix: str) -> RuntimeFailure:
+    tail = read_log_tail(inst.log_path, LOG_TAIL_LINES)
+    details = f"last {len(tail)} lines of the {role} log ({inst.log_path}):\n" + "\n".join(tail)
+    return RuntimeFailure(what, where=str(inst.log_path), fix=fix, details=details)
+
+
+def _wait_healthy(spec: ClusterSpec, instances: dict[str, Instance], t0: float,
+                  progress: ProgressFn | None) -> LaunchProgress:
+    """Poll /health and the processes until both are healthy.
+
+    Raises RuntimeFailure (with the failing server's log tail) when a server
+    exits or the timeout passes.
+    """
+    report = LaunchProgress(spec.name, roles={r: RoleProgress(r) for r in instances})
+    deadline = t0 + spec.timeout_s
+    with httpx.Client() as client:
+        while True:
+            report.elapsed_s = time.monotonic() - t0
+            for role, inst in instances.items():
+                rp = report.roles[role]
+                rp.last_line = last_log_line(inst.log_path)
+                if rp.state == "healthy":
+                    continue
+                status = inst.status()
+                if not status.running:
+                    rp.state = "failed"
+                    if progress:
+                        progress(report)
+                    raise _startup_failure(
+                        role, inst, f"the {role} server {status.detail} during start-up",
+                        fix="read the log tail below; correct the model, config or arguments it "
+                            "names, then launch again")
+                if _is_healthy(client, inst.url):
+                    rp.state, rp.ready_s = "healthy", time.monotonic() - t0
+                    log.info("%s server healthy after %.1f s", role, rp.ready_s)
+            if progress:
+                progress(report)
+            if all(rp.state == "healthy" for rp in report.roles.values()):
+                return report
+            if time.monotonic() > deadline:
+                role = next(r for r, rp in report.roles.items() if rp.state != "healthy")
+                report.roles[role].state = "failed"
+                if progress:
+                    progress(report)
+                raise _startup_failure(
+                    role, instances[role],
+                    f"the {role} server was not healthy after {spec.timeout_s:g} s",
+                    fix="read the log tail below; if it was still loading, raise --timeout")
+            time.sleep(POLL_S)
+
+
+def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> ClusterState:
+    """Start P and D for `spec` and wait until both answer /health.
+
+    Returns the saved ClusterState. Raises BadInput (name in use, rig
+    missing) before starting anything; RuntimeFailure when a server dies or
+    times out during start-up; KeyboardInterrupt on Ctrl-C, SIGTERM or SIGHUP.
+    On every failure everything started is stopped and the state removed.
+    """
+    runtime = get_runtime(spec.runtime)
+    runtime.check()  # e.g. the rig is installed: fail before touching anything
+    cdir = cluster_dir(spec.name)
+    started: dict[str, Instance] = {}
+    made_store = not spec.store.exists()
+
+    def cleanup() -> None:
+        _stop_all(started)
+        remove_state(spec.name)
+        if made_store and spec.store.is_dir() and not any(spec.store.iterdir()):
+            spec.store.rmdir()
+
+    with _launch_lock(spec.name), _signals_interrupt():
+        _ensure_name_free(spec.name)
+        t0 = time.monotonic()
+        try:
+            spec.store.mkdir(parents=True, exist_ok=True)
+            state = ClusterState(name=spec.name, runtime=spec.runtime, model=str(spec.model),
+                                 served_model_name=spec.served_model_name,
+                                 store=str(spec.store), created=utc_now())
+            for role, ispec in _instance_specs(spec).items():
+                inst = runtime.start(ispec)
+                started[role] = inst
+                state.instances[role] = InstanceRecord(
+                    role=role, url=inst.url, log_path=str(inst.log_path),
+                    kv_transfer_config=ispec.kv_transfer_config, cwd=str(cdir),
+                    runtime_fields=inst.record())
+                save_cluster(state)  # at once: `kvctl down` must find it if we die
+            _wait_healthy(spec, started, t0, progress)
+            return state
+        except BaseException:
+            _run_to_completion(cleanup)
+            raise
+
+
+# --- status ---
+
+@dataclass
+class InstanceHealth:
+    role: str
+    running: bool
+    healthy: bool
+    detail: str
+
+
+@dataclass
+class ClusterStatus:
+    state: ClusterState
+    instances: dict[str, InstanceHealth]
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.instances) and all(i.healthy for i in self.instances.values())
+
+    def to_json(self) -> dict[str, Any]:
+        data = self.state.to_json()
+        data["healthy"] = self.healthy
+        for role, h in self.instances.items():
+            data["instances"][role].update(running=h.running, healthy=h.healthy, detail=h.detail)
+        return data
+
+
+def cluster_status(name: str) -> ClusterStatus:
+    """Process and /health state of each instance. Raises BadInput for an unknown cluster."""
+    state = load_cluster(name)
+    health = {}
+    with httpx.Client() as client:
+        for role, inst in _attach_all(state).items():
+            st = inst.status()
+            ok = st.running and _is_healthy(client, inst.url)
+            health[role] = InstanceHealth(role, st.running, ok, st.detail)
+    return ClusterStatus(state, health)
+
+
+def all_cluster_status() -> list[ClusterStatus]:
+    return [cluster_status(name) for name in list_clusters()]
+
+
+def instance(name: str, role: str) -> Instance:
+    """The Instance for `role` of cluster `name` (for logs). Raises BadInput."""
+    state = load_cluster(name)
+    if role not in state.instances:
+        raise BadInput(f"cluster {name!r} has no {role!r} instance", where="ROLE",
+                       fix=f"use one of: {', '.join(state.instances)}")
+    return _attach_all(state)[role]
+
+
+# --- down ---
+
+@dataclass
+class DownReport:
+    name: str
+    found: bool  # False: there was nothing to tear down
+    stopped: list[StopResult] = field(default_factory=list)
+    removed: str | None = None  # the directory removed (or emptied, with keep_store)
+    kept_store: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "found": self.found, "removed": self.removed,
+                "kept_store": self.kept_store,
+                "stopped": [{"role": s.role, "was_running": s.was_running, "signal": s.signal,
+                             "seconds": round(s.seconds, 2)} for s in self.stopped]}
+
+
+def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> DownReport:
+    """Stop cluster `name`'s servers and remove its directory. Idempotent.
+
+    Servers get SIGTERM, then SIGKILL after `grace_s` seconds.
+    With `keep_store` the store dir (when it lives in the cluster dir) stays.
+    A store outside the cluster dir is never removed. Also cleans up clusters
+    whose servers already died. Raises RuntimeFailure if a server survives
+    SIGKILL, BadInput for an invalid name or unreadable state.
+    """
+    cdir = cluster_dir(name)
+    report = DownReport(name, found=cdir.exists())
+    if not report.found:
+        return report
+    store: Path | None = None
+    if (cdir / STATE_FILE).exists():
+        try:
+            state = load_cluster(name)
+        except BadInput as e:
+            raise BadInput(e.what, where=e.where,
+                           fix=f"stop its vLLM processes by hand (`ps -ef | grep vllm`) and remove {cdir}") from None
+        store = Path(state.store)
+        report.stopped = _stop_all(_attach_all(state), grace_s)
+        remove_state(name)
+    keep = keep_store and store is not None and store.is_dir() and store.is_relative_to(cdir)
+    if keep:
+        for child in cdir.iterdir():
+            if child != store and not store.is_relative_to(child):
+                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+        report.kept_store = str(store)
+    else:
+        shutil.rmtree(cdir, ignore_errors=False)
+        if keep_store and store is not None:
+            report.kept_store = str(store)  # outside the cluster dir: never ours to remove
+    report.removed = str(cdir)
+    return report
+
+
+@contextlib.contextmanager
+def running_cluster(spec: ClusterSpec, progress: ProgressFn | None = None,
+                    keep_store: bool = False) -> Iterator[ClusterState]:
+    """Launch, yield the state, and always tear down (also on errors and Ctrl-C)."""
+    state = launch_1p1d(spec, progress)
+    try:
+        yield state
+    finally:
+        _run_to_completion(lambda: down(spec.name, keep_store=keep_store))

@@ -1,0 +1,221 @@
+"""The runtime contract: start a vLLM OpenAI server for one role, get an Instance.
+
+A `Runtime` turns an `InstanceSpec` (everything one server needs, as explicit
+fields) into a running `Instance`, and re-attaches to one from its record in
+cluster.json (`attach`), so `kvctl status`/`down` work from another process.
+An `Instance` is a thin model object in the docker-py manner: attributes
+(role, url, log_path, and `pid` or `container_id`) plus `status()`, `logs()`
+and `stop()`. Every runtime writes the server's output to `log_path` on this
+host, so log tails, markers and `kvctl logs` never depend on the runtime.
+
+The vLLM command line and environment are built here, once, so the local and
+docker runtimes start identical servers (they differ only in the python, the
+model path and the bind address they pass in).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+ROLES = ("prefill", "decode")
+
+# Start-up flags every server gets (BRIEF section 4: the CPU V0 rig needs block
+# size 16, eager mode and no prefix caching / chunked prefill, which break
+# full-prompt keyed transfer). All were checked against vLLM 0.9.2's --help.
+ENTRYPOINT_MODULE = "vllm.entrypoints.openai.api_server"
+BLOCK_SIZE = 16  # tokens; the only size the CPU backend supports without IPEX
+MAX_MODEL_LEN = 2048  # tokens; the tiny model's max positions
+KV_CACHE_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: caps each server's KV cache
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """Everything one vLLM server needs. Paths are host paths."""
+
+    cluster: str
+    role: str  # "prefill" | "decode"
+    model: Path  # HF model directory
+    served_model_name: str
+    dtype: str  # vLLM --dtype value, e.g. "float32"
+    port: int  # host port the server listens on
+    cwd: Path  # server working directory: relative fs_storage_path resolves here
+    log_path: Path  # stdout+stderr of the server
+    kv_transfer_config: dict | None = None  # None: no --kv-transfer-config
+    worker_cls: str | None = None  # None: vLLM's default worker
+    host: str = "127.0.0.1"
+    block_size: int = BLOCK_SIZE
+    max_model_len: int = MAX_MODEL_LEN
+    cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
+    extra_args: tuple[str, ...] = ()  # appended verbatim to the vLLM command line
+    env: Mapping[str, str] = field(default_factory=dict)  # overrides ours
+
+
+def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:
+    """The api_server arguments (after `python -m <module>`) for `spec`.
+
+    `model` and `host` are passed in because they differ per runtime (a
+    container sees the model at its mount point and binds 0.0.0.0).
+    """
+    args = [
+        "--model", model,
+        "--served-model-name", spec.served_model_name,
+        "--host", host,
+        "--port", str(spec.port),
+        "--dtype", spec.dtype,
+        "--block-size", str(spec.block_size),
+        "--max-model-len", str(spec.max_model_len),
+        "--enforce-eager",
+        "--disable-frontend-multiprocessing",
+        "--no-enable-prefix-caching",
+        "--no-enable-chunked-prefill",
+    ]
+    if spec.worker_cls:
+        args += ["--worker-cls", spec.worker_cls]
+    if spec.kv_transfer_config is not None:
+        args += ["--kv-transfer-config", json.dumps(spec.kv_transfer_config, separators=(",", ":"))]
+    return args + list(spec.extra_args)
+
+
+def vllm_server_env(spec: InstanceSpec) -> dict[str, str]:
+    """Environment variables the server needs on top of the base environment."""
+    env = {
+        "VLLM_USE_V1": "0",  # the KV connectors here are V0 connectors
+        "VLLM_LOGGING_LEVEL": "DEBUG",  # KV send/skip markers are debug lines
+        "VLLM_HOST_IP": "127.0.0.1",  # else gloo binds the external interface
+        "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_SPACE_GIB,
+        "HF_HUB_OFFLINE": "1",  # models are local dirs; never wait on a hub
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",  # log lines reach the file as they happen
+    }
+    if spec.cpu_bind is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
+    env.update(spec.env)
+    return env
+
+
+@dataclass(frozen=True)
+class InstanceStatus:
+    """What the runtime knows about a server's process or container."""
+
+    running: bool
+    exit_code: int | None = None  # when known (our own child, or a container)
+    detail: str = ""  # e.g. "exited with code 2", "process 123 is gone"
+
+
+@dataclass(frozen=True)
+class StopResult:
+    role: str
+    was_running: bool
+    signal: str | None  # the strongest signal needed: "SIGTERM", "SIGKILL" or None
+    seconds: float
+
+
+@runtime_checkable
+class Instance(Protocol):
+    """One running (or formerly running) server."""
+
+    role: str
+    url: str  # base URL reachable from this host, e.g. http://127.0.0.1:8100
+    log_path: Path
+
+    def status(self) -> InstanceStatus:
+        """Whether the server's process/container is running. Never raises for a gone one."""
+
+    def stop(self, grace_s: float = 10.0) -> StopResult:
+        """Stop it (SIGTERM, then SIGKILL after `grace_s`); idempotent."""
+
+    def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        """Lines of its log file (the last `tail` ones), then new ones while it runs if `follow`."""
+
+    def record(self) -> dict[str, Any]:
+        """Runtime-specific fields for its cluster.json record (`pid` or `container_id`, ...)."""
+
+
+class Runtime(Protocol):
+    """Starts servers and re-attaches to them."""
+
+    name: str  # "local" | "docker"
+
+    def check(self) -> None:
+        """Raise BadInput (with the fix) if this runtime cannot start servers here."""
+
+    def start(self, spec: InstanceSpec) -> Instance:
+        """Start the server for `spec`; returns at once (health is the caller's wait).
+
+        Raises BadInput for a spec this runtime cannot run, RuntimeFailure when
+        starting fails.
+        """
+
+    def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> Instance:
+        """The Instance for a cluster.json record written by `Instance.record()`."""
+
+
+# --- log helpers shared by every runtime (logs always land in a host file) ---
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def read_log_tail(path: Path, lines: int) -> list[str]:
+    """The last `lines` lines of a log file, ANSI colours stripped; [] if missing."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            # Read backwards in chunks until we have enough newlines.
+            chunk, data = 8192, b""
+            pos = size
+            while pos > 0 and data.count(b"\n") <= lines:
+                step = min(chunk, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    except FileNotFoundError:
+        return []
+    text = _ANSI.sub("", data.decode("utf-8", errors="replace"))
+    return list(deque(text.splitlines(), maxlen=lines))
+
+
+def last_log_line(path: Path) -> str:
+    """The last non-empty line of a log (progress displays show it)."""
+    for line in reversed(read_log_tail(path, 5)):
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def follow_log(path: Path, tail: int | None, is_running: Callable[[], bool],
+               poll_s: float = 0.25) -> Iterator[str]:
+    """Yield the last `tail` lines (all if None), then new lines while `is_running()`.
+
+    Stops once the server is no longer running and the file has no more data,
+    like `docker logs --follow` does when a container exits.
+    """
+    if tail is None:
+        offset = 0
+    else:
+        yield from read_log_tail(path, tail)
+        offset = path.stat().st_size
+    pending = b""
+    while True:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+            offset = f.tell()
+        if data:
+            pending += data
+            *complete, pending = pending.split(b"\n")
+            for line in complete:
+                yield _ANSI.sub("", line.decode("utf-8", errors="replace"))
+            continue
+        if not is_running():
+            if pending:
+                yield _ANSI.sub("", pending.decode("utf-8", errors="replace"))
+            return
+        time.sleep(poll_s)

@@ -1,0 +1,253 @@
+"""LocalRuntime: vLLM servers as processes of the CPU rig's python on this host.
+
+Each server runs in its own session and process group (start_new_session), so
+a Ctrl-C in the terminal reaches only kvctl, which then stops the servers in
+order, and `stop()` can signal the server and every child it forked at once
+(SIGTERM to the group, SIGKILL after a grace period). stdout and stderr go to
+the instance's log file.
+
+A server outlives the `kvctl launch` that started it; other kvctl processes
+re-attach by pid. The record also keeps the process start time from
+/proc/<pid>/stat, so a recycled pid is never mistaken for our server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.runtime.base import (
+    ENTRYPOINT_MODULE,
+    InstanceSpec,
+    InstanceStatus,
+    StopResult,
+    follow_log,
+    vllm_server_args,
+    vllm_server_env,
+)
+
+log = logging.getLogger(__name__)
+
+KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
+POLL_S = 0.1
+
+# The development rig, used only until kvctl.rig (`kvctl rig install`) exists.
+_DEV_RIG_PYTHON = Path("/tmp/scratch/rig/bin/python")
+
+
+def resolve_rig_python() -> Path:
+    """The python of the CPU rig that runs vLLM servers.
+
+    `kvctl.rig.rig_python()` ($KVCTL_RIG_PYTHON, else the installed rig).
+    Raises BadInput (with the fix) when no rig is installed.
+    """
+    try:
+        from kvctl.rig import rig_python
+    except ModuleNotFoundError as e:
+        if e.name != "kvctl.rig":
+            raise
+    else:
+        return rig_python()
+    # Until kvctl.rig lands: the same override, then the development rig.
+    override = os.environ.get("KVCTL_RIG_PYTHON")
+    if override and Path(override).is_file():
+        return Path(override)
+    if _DEV_RIG_PYTHON.exists():
+        return _DEV_RIG_PYTHON
+    raise BadInput("the CPU rig (a python with vLLM 0.9.2) is not installed",
+                   fix="run `kvctl rig install`, or set KVCTL_RIG_PYTHON to a python with vLLM")
+
+
+# --- /proc helpers (Linux); the local runtime runs where the CPU rig runs ---
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, pgrp, start_ticks) of a process, or None if it does not exist."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+    fields = raw[raw.rindex(")") + 2:].split()
+    return fields[0], int(fields[2]), int(fields[19])
+
+
+def _is_live(state: str) -> bool:
+    return state not in ("Z", "X")  # zombies are dead; PID 1 here may never reap them
+
+
+def process_start_ticks(pid: int) -> int | None:
+    stat = _proc_stat(pid)
+    return stat[2] if stat else None
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes in process group `pgid`."""
+    if not Path("/proc/self/stat").exists():  # no procfs: ask the kernel about the group
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            return [pgid]
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        stat = _proc_stat(int(entry.name))
+        if stat and stat[1] == pgid and _is_live(stat[0]):
+            members.append(int(entry.name))
+    return members
+
+
+class LocalInstance:
+    """A vLLM server process (and its process group) on this host."""
+
+    def __init__(self, role: str, url: str, log_path: Path, pid: int,
+                 start_ticks: int | None, command: list[str] | None = None,
+                 popen: subprocess.Popen | None = None):
+        self.role = role
+        self.url = url
+        self.log_path = log_path
+        self.pid = pid  # also the process group id (start_new_session)
+        self.start_ticks = start_ticks
+        self.command = command or []
+        self._popen = popen  # set only in the process that started it
+
+    def __repr__(self) -> str:
+        return f"<LocalInstance {self.role} pid={self.pid} {self.url}>"
+
+    def _is_ours(self) -> bool:
+        """False when the pid now belongs to another process (ours is long gone)."""
+        if self.start_ticks is None:
+            return True
+        ticks = process_start_ticks(self.pid)
+        return ticks is None or ticks == self.start_ticks
+
+    def status(self) -> InstanceStatus:
+        if self._popen is not None:
+            code = self._popen.poll()
+            if code is not None:
+                return InstanceStatus(False, code, f"exited with code {code}")
+            return InstanceStatus(True, None, f"pid {self.pid} running")
+        stat = _proc_stat(self.pid)
+        if stat is None or not _is_live(stat[0]) or not self._is_ours():
+            return InstanceStatus(False, None, f"process {self.pid} is gone")
+        return InstanceStatus(True, None, f"pid {self.pid} running")
+
+    def _members(self) -> list[int]:
+        if self._popen is not None:
+            self._popen.poll()  # reap the leader so it stops counting
+        if not self._is_ours():
+            return []
+        return group_members(self.pid)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def _wait_gone(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while self._members():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
+
+    def stop(self, grace_s: float = 10.0) -> StopResult:
+        """SIGTERM the process group, SIGKILL it after `grace_s`. Idempotent.
+
+        Raises RuntimeFailure if processes survive SIGKILL (never seen; it
+        would mean an unkillable process in D state).
+        """
+        t0 = time.monotonic()
+        if not self._members():
+            return StopResult(self.role, False, None, 0.0)
+        log.debug("stopping %s server (process group %d) with SIGTERM", self.role, self.pid)
+        self._signal_group(signal.SIGTERM)
+        used = "SIGTERM"
+        if not self._wait_gone(grace_s):
+            log.warning("%s server (process group %d) ignored SIGTERM for %.0f s; sending SIGKILL",
+                        self.role, self.pid, grace_s)
+            self._signal_group(signal.SIGKILL)
+            used = "SIGKILL"
+            if not self._wait_gone(KILL_WAIT_S):
+                raise RuntimeFailure(
+                    f"the {self.role} server's processes survived SIGKILL: {self._members()}",
+                    where=f"process group {self.pid}",
+                    fix="check them with `ps -o pid,stat,cmd -g PGID` and kill them by hand")
+        if self._popen is not None:
+            self._popen.wait(timeout=KILL_WAIT_S)
+        return StopResult(self.role, True, used, time.monotonic() - t0)
+
+    def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        if not follow:
+            return follow_log(self.log_path, tail, lambda: False)
+        return follow_log(self.log_path, tail, lambda: self.status().running)
+
+    def record(self) -> dict[str, Any]:
+        return {"pid": self.pid, "start_ticks": self.start_ticks, "command": self.command}
+
+
+class LocalRuntime:
+    """Runs servers as subprocesses of the rig python (or `python` if given)."""
+
+    name = "local"
+
+    def __init__(self, python: Path | None = None):
+        self._python = python
+
+    @property
+    def python(self) -> Path:
+        if self._python is None:
+            self._python = resolve_rig_python()
+        return self._python
+
+    def check(self) -> None:
+        """Raises BadInput if the rig python is missing."""
+        _ = self.python
+
+    def command(self, spec: InstanceSpec) -> list[str]:
+        host = spec.host
+        return [str(self.python), "-m", ENTRYPOINT_MODULE,
+                *vllm_server_args(spec, model=str(spec.model), host=host)]
+
+    def start(self, spec: InstanceSpec) -> LocalInstance:
+        """Start the server; returns at once. Raises RuntimeFailure if it cannot be spawned."""
+        argv = self.command(spec)
+        env = {**os.environ, **vllm_server_env(spec)}
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        spec.cwd.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "wb") as logf:
+            # One header line, so a log read alone says what produced it.
+            logf.write(f"kvctl: starting {spec.role} server: {shlex.join(argv)}\n".encode())
+            logf.flush()
+            try:
+                popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
+                                         stderr=subprocess.STDOUT, cwd=spec.cwd, env=env,
+                                         start_new_session=True, close_fds=True)
+            except OSError as e:
+                raise RuntimeFailure(f"could not start the {spec.role} server: {e}",
+                                     where=str(argv[0]),
+                                     fix="check the rig with `kvctl rig install`") from e
+        url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
+        log.debug("started %s server pid %d: %s", spec.role, popen.pid, shlex.join(argv))
+        return LocalInstance(spec.role, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
+                             process_start_ticks(popen.pid), argv, popen)
+
+    def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> LocalInstance:
+        if not isinstance(record.get("pid"), int):
+            raise BadInput(f"the {role} record of this cluster has no pid",
+                           where="cluster.json", fix="remove the cluster with `kvctl down`")
+        return LocalInstance(role, url, log_path, record["pid"], record.get("start_ticks"),
+                             list(record.get("command") or []))

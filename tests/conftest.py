@@ -1,0 +1,185 @@
+"""Shared fixtures: the rig, the tiny model, a tmp KVCTL_HOME and a `kvctl` runner.
+
+Tests that need the CPU rig use the `rig_python` fixture: it skips when no rig
+is installed, and fails instead when KVCTL_REQUIRE_RIG=1 (CI). Tests that
+start vLLM servers also take `vllm_slot`, so that only one server pair runs at
+a time on this 2-core machine, even under pytest-xdist.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REQUIRE_RIG = os.environ.get("KVCTL_REQUIRE_RIG") == "1"
+
+
+@dataclass
+class Result:
+    rc: int
+    stdout: str
+    stderr: str
+
+    def __str__(self) -> str:  # what a failing assert shows
+        return f"rc={self.rc}\n--- stdout ---\n{self.stdout[-3000:]}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+    __repr__ = __str__
+
+
+def _shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dir all xdist workers of this run share (the parent of each worker's basetemp)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _shared_dir(tmp_path_factory)
+
+
+def _find_rig() -> tuple[Path | None, str]:
+    """The rig python ($KVCTL_RIG_PYTHON or the installed rig), or None and why."""
+    from kvctl.errors import KvctlError
+    from kvctl.runtime.local import resolve_rig_python
+
+    try:
+        return resolve_rig_python(), ""
+    except KvctlError as e:
+        return None, e.message
+
+
+_RIG = _find_rig()  # resolved once, before any test points KVCTL_HOME elsewhere
+
+
+@pytest.fixture(scope="session")
+def rig_python() -> Path:
+    """The CPU rig's python. Skips without a rig; fails when KVCTL_REQUIRE_RIG=1."""
+    python, why = _RIG
+    if python is None:
+        if REQUIRE_RIG:
+            pytest.fail(f"CPU rig missing (KVCTL_REQUIRE_RIG=1): {why}")
+        pytest.skip(f"CPU rig missing: {why}")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(shared_dir: Path) -> Path:
+    """The tiny random Llama, written once per test run (file lock: xdist workers share it)."""
+    from kvctl.tiny_model import write_model
+
+    out = shared_dir / "tiny-model"
+    with open(shared_dir / "tiny-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        write_model(out)  # returns at once when it is already there
+    return out
+
+
+@pytest.fixture
+def vllm_slot(shared_dir: Path) -> Iterator[None]:
+    """Hold the run-wide lock for starting vLLM servers (one pair at a time)."""
+    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def live_processes_under(root: Path) -> list[str]:
+    """Live (non-zombie) processes whose cwd or command line is inside `root`."""
+    root_s = str(root.resolve())
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+            if stat[stat.rindex(")") + 2] in "ZX":
+                continue
+            cwd = os.readlink(f"/proc/{entry.name}/cwd")
+            cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if cwd == root_s or cwd.startswith(root_s + "/") or root_s in cmd:
+            found.append(f"{entry.name}: {cmd[:200]}")
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def group_alive(pgid: int) -> list[int]:
+    """Live members of process group `pgid`."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+            except FileNotFoundError:
+                continue
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid and fields[0] not in "ZX":
+                members.append(int(entry.name))
+    return members
+
+
+class Kvctl:
+    """Runs `kvctl` as a subprocess with this test's KVCTL_HOME (and the rig, if any)."""
+
+    def __init__(self, home: Path):
+        self.home = home
+        self.env = {**os.environ, "KVCTL_HOME": str(home)}
+        self.env.pop("KVCTL_RIG_PYTHON", None)
+        if _RIG[0] is not None:
+            self.env["KVCTL_RIG_PYTHON"] = str(_RIG[0])
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "kvctl.cli", *args]
+
+    def __call__(self, *args: str, timeout: float = 120) -> Result:
+        p = subprocess.run(self.argv(*args), env=self.env, capture_output=True, text=True,
+                           timeout=timeout)
+        return Result(p.returncode, p.stdout, p.stderr)
+
+    def popen(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(*args), env=self.env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture
+def kvctl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh KVCTL_HOME; any cluster a test leaves behind is torn down afterwards."""
+    home = tmp_path / "kvctl-home"
+    home.mkdir()
+    monkeypatch.setenv("KVCTL_HOME", str(home))
+    if _RIG[0] is not None:
+        monkeypatch.setenv("KVCTL_RIG_PYTHON", str(_RIG[0]))
+    yield home
+    from kvctl.cluster import list_clusters
+    from kvctl.launch import down
+
+    for name in list_clusters():
+        down(name)
+    for line in live_processes_under(home):  # last resort: never leak servers
+        pid = int(line.split(":")[0])
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+
+
+@pytest.fixture
+def kvctl(kvctl_home: Path) -> Kvctl:
+    return Kvctl(kvctl_home)
