@@ -140,7 +140,7 @@ class FSConnector(KVConnectorBase):
         path = fmt.entry_path(self.root, key)
         try:
             fmt.parse_header(path)
-        except (FileNotFoundError, fmt.EntryCorrupt):
+        except (OSError, fmt.EntryCorrupt):
             return False
         try:
             os.utime(path)  # a hit keeps the entry recent for LRU eviction
@@ -175,7 +175,8 @@ class FSConnector(KVConnectorBase):
                 return self._redo(model_input, f"corrupt key={key}: {e.reason}")
             except TokenMismatch as e:
                 return self._redo(model_input, f"token mismatch key={key}: {e}")
-            except (OSError, ValueError, RuntimeError) as e:
+            except Exception as e:  # whatever a damaged file does, recompute instead of crashing
+                logger.exception("[rank%d]: unexpected error loading key=%s", self.rank, key)
                 return self._redo(model_input, f"unreadable key={key}: {type(e).__name__}: {e}")
             loaded.append((span, entry))
         for span, entry in loaded:

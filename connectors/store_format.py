@@ -301,6 +301,8 @@ def parse_header(path: Path | str, f: BinaryIO | None = None) -> EntryHeader:
     if not isinstance(doc, dict):
         raise EntryCorrupt(path, "header is not a JSON object")
     meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict):
+        raise EntryCorrupt(path, "__metadata__ is not a JSON object")
     if meta.get("format") != FORMAT_NAME:
         raise EntryCorrupt(path, f"not a {FORMAT_NAME} entry (format={meta.get('format')!r})")
     if meta.get("version") != str(FORMAT_VERSION):
@@ -308,6 +310,7 @@ def parse_header(path: Path | str, f: BinaryIO | None = None) -> EntryHeader:
     missing = [n for n in TENSOR_ORDER if n not in doc]
     if missing:
         raise EntryCorrupt(path, f"missing tensors: {', '.join(missing)}")
+    _check_records(path, doc, meta)
     try:
         entry = EntryHeader(path=path, header_len=hlen, tensors=doc, metadata=meta, file_size=size)
     except ValueError as e:
@@ -316,6 +319,38 @@ def parse_header(path: Path | str, f: BinaryIO | None = None) -> EntryHeader:
     if end != entry.data_len:
         raise EntryCorrupt(path, f"data section is {entry.data_len} bytes, header describes {end}")
     return entry
+
+
+def _check_records(path: Path, doc: dict, meta: dict) -> None:
+    """Every field the readers index is there with the right type (else EntryCorrupt).
+
+    A damaged header must read as corrupt, never as a KeyError or TypeError
+    in the middle of a request.
+    """
+    for key in ("num_tokens", "checksum", "created"):
+        if not isinstance(meta.get(key, "0"), str):
+            raise EntryCorrupt(path, f"metadata {key} is not a string")
+    if "checksum" not in meta or "num_tokens" not in meta:
+        raise EntryCorrupt(path, "metadata lacks num_tokens or checksum")
+    try:
+        int(meta["num_tokens"]), float(meta.get("created", "0"))
+    except ValueError:
+        raise EntryCorrupt(path, "metadata num_tokens or created is not a number") from None
+    offset = 0
+    for name in TENSOR_ORDER:
+        rec = doc[name]
+        shape = rec.get("shape") if isinstance(rec, dict) else None
+        span = rec.get("data_offsets") if isinstance(rec, dict) else None
+        if (not isinstance(rec, dict) or rec.get("dtype") not in DTYPE_SIZES
+                or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
+                or not isinstance(span, list) or len(span) != 2 or not all(type(o) is int for o in span)):
+            raise EntryCorrupt(path, f"tensor {name}: malformed record {rec!r:.120}")
+        nbytes = DTYPE_SIZES[rec["dtype"]]
+        for dim in shape:
+            nbytes *= dim
+        if span != [offset, offset + nbytes]:
+            raise EntryCorrupt(path, f"tensor {name}: data_offsets {span}, expected {[offset, offset + nbytes]}")
+        offset += nbytes
 
 
 def read_entry(path: Path | str, into=None) -> tuple[EntryHeader, memoryview]:

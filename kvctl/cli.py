@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--debug"]
     out = Output.for_args(args)
     try:
-        app(args=args, prog_name="kvctl", standalone_mode=False)
-        code = ExitCode.OK
+        # Without standalone mode, click returns a command's typer.Exit code instead of raising.
+        result = app(args=args, prog_name="kvctl", standalone_mode=False)
+        code = result if isinstance(result, int) else ExitCode.OK
     except KvctlError as e:
         out.error(e)
         if debug:
