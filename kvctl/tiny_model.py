@@ -41,7 +41,8 @@ from kvctl.paths import kvctl_home
 
 log = logging.getLogger(__name__)
 
-# Bump when any output byte changes: a folder with an older marker is rebuilt.
+# Bump when the output of a preset changes (other than its PRESETS sizes): a
+# folder with an older marker is rebuilt.
 GENERATOR_VERSION = 1
 MARKER = "kvctl-model.json"
 WEIGHTS = "model.safetensors"
@@ -79,9 +80,10 @@ class Preset:
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
                    intermediate=256),
-    # ~193M params, ~770 MB: a 2k-token prefill takes ~3-4 s on 2 cores (vLLM V0
-    # CPU, float32); bf16 would need ~3x the weights for the same time with AMX.
-    "bench": Preset(hidden=1024, layers=16, heads=16, kv_heads=8, head_dim=64,
+    # ~287M params, ~1.15 GB: a 2k-token prefill takes ~2 s on 2 idle cores (vLLM
+    # V0 CPU, float32), more when the machine is busy. 96 KiB of KV per token,
+    # the order of an 8B GQA model in bf16 (128 KiB).
+    "bench": Preset(hidden=1024, layers=24, heads=16, kv_heads=8, head_dim=64,
                     intermediate=2816),
 }
 
@@ -288,9 +290,10 @@ def _read_marker(path: Path) -> dict | None:
 
 
 def _matches(marker: dict | None, preset: str, seed: int) -> bool:
+    # The preset's sizes are compared too: editing PRESETS rebuilds old folders.
     return bool(marker) and marker.get("generator") == "kvctl" and (
-        marker.get("version"), marker.get("preset"), marker.get("seed")) == (
-        GENERATOR_VERSION, preset, seed)
+        marker.get("version"), marker.get("preset"), marker.get("seed"),
+        marker.get("sizes")) == (GENERATOR_VERSION, preset, seed, asdict(PRESETS[preset]))
 
 
 def _info(path: Path, marker: dict, created: bool) -> ModelInfo:
@@ -316,7 +319,7 @@ def _build(tmp: Path, preset: str, seed: int) -> dict:
         _write_text(tmp / name, text)
     _write_weights(tmp / WEIGHTS, shapes, seed, sorted(ids.values()))
     marker = {"generator": "kvctl", "version": GENERATOR_VERSION, "preset": preset,
-              "seed": seed, "dtype": p.dtype, "vocab_size": vocab,
+              "seed": seed, "sizes": asdict(p), "dtype": p.dtype, "vocab_size": vocab,
               "num_params": sum(int(np.prod(s)) for s in shapes.values())}
     _write_text(tmp / MARKER, _dumps(marker))
     return marker

@@ -45,7 +45,7 @@ def test_same_seed_gives_byte_identical_files_and_another_seed_other_weights(tmp
     assert a.total_bytes == sum(len(v) for v in ca.values())
 
 
-def test_existing_model_is_reused_and_another_kvctl_model_replaced(tmp_path: Path):
+def test_existing_model_is_reused_and_another_kvctl_model_replaced(tmp_path: Path, monkeypatch):
     out = tmp_path / "m"
     first = write_model(out)
     stamp = (out / "model.safetensors").stat().st_mtime_ns
@@ -56,6 +56,9 @@ def test_existing_model_is_reused_and_another_kvctl_model_replaced(tmp_path: Pat
     assert other.created and json.loads((out / gen.MARKER).read_text())["seed"] == 5
     assert _contents(out) == _contents(write_model(tmp_path / "ref", seed=5).path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m", "ref"]  # no temp dirs left
+    monkeypatch.setitem(gen.PRESETS, "tiny", dataclasses.replace(gen.PRESETS["tiny"], layers=1))
+    resized = write_model(out, seed=5)  # same preset name, new sizes: rebuilt
+    assert resized.created and resized.num_params < other.num_params
 
 
 def test_empty_folder_is_filled(tmp_path: Path):
@@ -132,12 +135,12 @@ def test_tokenizer_round_trips_ascii_and_non_ascii(tmp_path: Path):
     assert ids[0] == tok.token_to_id("<|user|>") and ids[-1] == tok.token_to_id("<|end|>")
 
 
-def test_bench_preset_fits_vllm_cpu_and_is_a_few_hundred_mb():
+def test_presets_fit_vllm_cpu_and_bench_size_is_bounded():
     for p in PRESETS.values():
         assert p.head_dim in CPU_HEAD_SIZES and p.heads % p.kv_heads == 0
     shapes = gen._tensor_shapes(PRESETS["bench"], 2048)
     params = sum(int(np.prod(s)) for s in shapes.values())
-    assert 100e6 < params * 4 < 1e9
+    assert 100e6 < params * 4 < 1.5e9
 
 
 def test_cli_writes_model_and_reports_json(tmp_path: Path, capsys):
