@@ -1,0 +1,113 @@
+"""Helpers for tests that drive a real 1P1D cluster of vLLM CPU servers."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from connectors import store_format as fmt
+from kvctl import markers
+from kvctl.client import VLLMClient, user_messages
+
+
+@contextlib.contextmanager
+def cluster_for_module(tmp_path_factory, shared_dir: Path, rig_python: Path, model: Path,
+                       name: str, **spec_kwargs) -> Iterator["Cluster"]:
+    """Launch a cluster for a whole test module (holding the run-wide vLLM slot), then tear down."""
+    from kvctl.cluster import build_1p1d_spec
+    from kvctl.launch import running_cluster
+
+    home = tmp_path_factory.mktemp(f"home-{name}")
+    with open(shared_dir / "vllm-slot.lock", "w") as lock, pytest.MonkeyPatch.context() as mp:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        mp.setenv("KVCTL_HOME", str(home))
+        mp.setenv("KVCTL_RIG_PYTHON", str(rig_python))
+        spec = build_1p1d_spec(name=name, model=model, **spec_kwargs)
+        with running_cluster(spec) as state:
+            cluster = Cluster(state)
+            try:
+                yield cluster
+            finally:
+                cluster.close()
+
+
+@dataclass
+class Exchange:
+    """One prompt sent P (1 token) -> D (k tokens), plus the baseline."""
+
+    prompt: str
+    tokens: list[int]
+    key: str | None
+    decode_ids: list[int] | None
+    baseline_ids: list[int] | None
+    decode_text: str
+    baseline_text: str
+
+
+class Cluster:
+    def __init__(self, state):
+        self.state = state
+        model = state.served_model_name
+        self.p = VLLMClient(state.instances["prefill"].url, model, role="prefill")
+        self.d = VLLMClient(state.instances["decode"].url, model, role="decode")
+        self.store = Path(state.store)
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+    def log(self, role: str) -> str:
+        return Path(self.state.instances[role].log_path).read_text(errors="replace")
+
+    def wait_for(self, role: str, found: Callable[[str], object], timeout: float = 10.0):
+        """Poll a log until `found(text)` is truthy (log lines flush asynchronously)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            result = found(self.log(role))
+            if result or time.monotonic() > deadline:
+                return result
+            time.sleep(0.2)
+
+    def send_key(self, tokens: list[int], timeout: float = 10.0) -> str | None:
+        """The key P logged for these tokens (token count must match)."""
+        lines = self.wait_for("prefill", lambda t: [s for s in markers.kv_sends(t)
+                                                     if s.tokens == len(tokens)], timeout)
+        return lines[-1].key if lines else None
+
+    def exchange(self, prompt: str, max_tokens: int = 12, baseline: bool = True) -> Exchange:
+        messages = user_messages(prompt)
+        tokens = self.p.tokenize_chat(messages)
+        self.p.chat(messages, max_tokens=1)
+        key = self._key_for(tokens)
+        dec = self.d.chat(messages, max_tokens=max_tokens)
+        base = self.p.chat(messages, max_tokens=max_tokens) if baseline else None
+        return Exchange(prompt, tokens, key, dec.token_ids, base.token_ids if base else None,
+                        dec.text, base.text if base else "")
+
+    def _key_for(self, tokens: list[int]) -> str | None:
+        """The entry holding exactly `tokens` (from its header identity), waiting for the log."""
+        def find(_text: str):
+            for line in markers.kv_sends(self.log("prefill")):
+                path = fmt.entry_path(self.store, line.key)
+                try:
+                    header, data = fmt.read_entry(path)
+                except (FileNotFoundError, fmt.EntryCorrupt):
+                    continue
+                if fmt.token_ids_of(header, data) == tokens:
+                    return line.key
+            return None
+        return self.wait_for("prefill", find)
+
+
+def skip_line_for(text: str, key: str):
+    return next((s for s in markers.skip_forwards(text) if key in s.keys), None)
+
+
+def redo_lines_for(text: str, key: str):
+    return [r for r in markers.redo_forwards(text) if r.mentions(key)]
