@@ -9,97 +9,78 @@
 
 Launch, verify and down run as `kvctl` subprocesses; the corruption test drives
 verify's library steps itself, so it can damage the entry between P and D.
-Needs the CPU rig: a missing rig fails these tests (it does not skip them).
+Needs the CPU rig (conftest's `rig_python`: skipped without one, failed under
+KVCTL_REQUIRE_RIG=1 as in CI).
 """
 
 from __future__ import annotations
 
-import importlib.util
+import fcntl
 import json
-import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
+from conftest import Kvctl, pid_alive
 from connectors.store_format import entry_path
 from kvctl.verify import CHECKS, ClusterVerifier, check_output_matches_baseline, check_store_entry_written, cluster_info
 
-# The pieces other people are still writing: skip (saying which) only while they are missing.
-_NEEDED = ("connectors.cpu_worker", "connectors.fs_connector", "kvctl.launch", "kvctl.commands.cluster",
-           "kvctl.rig")
-_MISSING = [m for m in _NEEDED if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.xdist_group("vllm"),  # one server pair at a time under --dist loadgroup
-    pytest.mark.skipif(bool(_MISSING), reason=f"modules not written yet: {', '.join(_MISSING)}"),
-]
+pytestmark = pytest.mark.e2e
 
 LAUNCH_TIMEOUT_S = 600
 VERIFY_TIMEOUT_S = 600
 
 
-def kvctl(env: dict, *args: str, timeout: float = VERIFY_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvctl.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
+@pytest.fixture(scope="module")
+def vllm_module_slot(shared_dir):
+    """The run-wide one-server-pair lock (conftest's vllm_slot), held for this module."""
+    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @pytest.fixture(scope="module")
-def kvctl_env(tmp_path_factory):
-    """KVCTL_HOME in a tmp dir, with the rig found in the real environment."""
-    from kvctl.errors import BadInput
-    from kvctl.rig import rig_python
-
-    try:
-        python = rig_python()  # honours KVCTL_RIG_PYTHON, else the installed rig
-    except BadInput as e:
-        pytest.fail(f"CPU rig missing: {e.message}")
-    home = tmp_path_factory.mktemp("kvctl-home")
-    return {**os.environ, "KVCTL_HOME": str(home), "KVCTL_RIG_PYTHON": str(python)}
+def kvctl_e2e(tmp_path_factory, rig_python, vllm_module_slot) -> Kvctl:
+    """`kvctl` subprocesses with a module-wide tmp KVCTL_HOME and the rig."""
+    run = Kvctl(tmp_path_factory.mktemp("verify-e2e-home"))
+    assert run.env["KVCTL_RIG_PYTHON"] == str(rig_python)
+    return run
 
 
 class Cluster:
-    """A launched cluster; always torn down, and checked to leave no process behind."""
+    """A launched cluster; torn down with `kvctl down`, which must leave no process."""
 
-    def __init__(self, env: dict, name: str, *launch_args: str):
-        self.env, self.name = env, name
-        proc = kvctl(env, "launch", "1p1d", "--runtime", "local", "--name", name, "--json", *launch_args,
-                     timeout=LAUNCH_TIMEOUT_S)
-        if proc.returncode != 0:
-            kvctl(env, "down", "--name", name)
-            pytest.fail(f"launch failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        self.state = json.loads(proc.stdout)
+    def __init__(self, run: Kvctl, model: Path, name: str, *launch_args: str):
+        self.run, self.name = run, name
+        res = run("launch", "1p1d", "--runtime", "local", "--name", name, "--model", str(model), "--json",
+                  *launch_args, timeout=LAUNCH_TIMEOUT_S)
+        if res.rc != 0:
+            run("down", "--name", name)
+            pytest.fail(f"launch failed: {res}")
+        self.state = json.loads(res.stdout)
         self.info = cluster_info(self.state)
+        self.pids = [i["pid"] for i in self.state["instances"].values()]
 
     def down(self) -> None:
-        proc = kvctl(self.env, "down", "--name", self.name)
-        assert proc.returncode == 0, proc.stderr
-        pids = [i.get("pid") for i in self.state["instances"].values() if i.get("pid")]
-        assert not [p for p in pids if _pid_alive(p)], f"servers left running: {pids}"
+        res = self.run("down", "--name", self.name)
+        assert res.rc == 0, res
+        assert not [p for p in self.pids if pid_alive(p)], f"servers left running: {self.pids}"
 
 
 @pytest.fixture(scope="module")
-def cluster(kvctl_env):
-    c = Cluster(kvctl_env, "e2e")
+def cluster(kvctl_e2e, tiny_model):
+    c = Cluster(kvctl_e2e, tiny_model, "e2e")
     yield c
-    c.down()
+    c.down()  # idempotent: the last test already took it down
 
 
 def test_verify_passes_on_default_cluster(cluster, tmp_path):
     junit = tmp_path / "verify.xml"
-    proc = kvctl(cluster.env, "verify", "--name", cluster.name, "--json", "--junit-xml", str(junit))
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
+    res = cluster.run("verify", "--name", cluster.name, "--json", "--junit-xml", str(junit),
+                      timeout=VERIFY_TIMEOUT_S)
+    assert res.rc == 0, res
+    doc = json.loads(res.stdout)
     assert doc["passed"] is True and doc["cluster"] == "e2e"
     assert len(doc["requests"]) == 4
     for req in doc["requests"]:
@@ -132,16 +113,16 @@ def test_corrupt_entry_before_decode_fails_checks(cluster):
     assert check_output_matches_baseline(dec, base).passed
 
 
-def test_verify_fails_when_decode_has_no_connector(cluster, kvctl_env):
+def test_verify_fails_when_decode_has_no_connector(cluster, kvctl_e2e, tiny_model):
     cluster.down()  # one server pair at a time on this machine
-    plain = Cluster(kvctl_env, "e2e-plain", "--decode-config", "none")
+    plain = Cluster(kvctl_e2e, tiny_model, "e2e-plain", "--decode-config", "none")
     try:
-        proc = kvctl(kvctl_env, "verify", "--name", plain.name, "--json", "--prompt", "Hello, how are you?",
-                     "--max-tokens", "8")
+        res = kvctl_e2e("verify", "--name", plain.name, "--json", "--prompt", "Hello, how are you?",
+                        "--max-tokens", "8", timeout=VERIFY_TIMEOUT_S)
     finally:
         plain.down()
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
-    doc = json.loads(proc.stdout)
+    assert res.rc == 1, res
+    doc = json.loads(res.stdout)
     checks = {c["name"]: c for c in doc["requests"][0]["checks"]}
     assert doc["passed"] is False
     assert not checks["decode_skipped_forward"]["passed"]
