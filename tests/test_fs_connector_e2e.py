@@ -28,13 +28,13 @@ def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
 
 def block_multiple_prompt(cluster, block: int = 16) -> str:
     """A prompt whose chat-templated length is an exact multiple of the block size."""
-    words = ["sea"]
-    while True:
-        prompt = " ".join(words)
-        n = len(cluster.p.tokenize_chat(user_messages(prompt)))
-        if n % block == 0 and n >= 2 * block:
+    words = "the sea was calm and a ship sailed past the old lighthouse at dawn".split()
+    for n in range(1, 400):
+        prompt = " ".join(words[i % len(words)] for i in range(n))
+        count = len(cluster.p.tokenize_chat(user_messages(prompt)))
+        if count % block == 0 and count >= 2 * block:
             return prompt
-        words.append("sea")
+    raise AssertionError("no prompt length hit a block multiple")
 
 
 PROMPTS = {
