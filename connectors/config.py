@@ -29,7 +29,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import Callable, Iterable, Literal
+from typing import Callable, Iterable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -46,6 +46,28 @@ KNOWN_V0_CONNECTORS = (
     "PyNcclConnector", "MooncakeConnector", "LMCacheConnector", "MooncakeStoreConnector",
     FS_CONNECTOR, MULTI_CONNECTOR,
 )
+# A user's own V0 connectors, registered by connectors.plugin from this variable:
+# "Name=module:Class;Name2=module2:Class2".
+EXTRA_CONNECTORS_ENV = "KVCTL_EXTRA_CONNECTORS"
+
+
+def parse_extra_connectors(value: str) -> dict[str, tuple[str, str]]:
+    """`Name=module:Class;...` -> {Name: (module, Class)}. Raises ValueError naming the bad item."""
+    found = {}
+    for item in filter(None, (part.strip() for part in value.split(";"))):
+        name, eq, target = item.partition("=")
+        module, colon, cls = target.partition(":")
+        if not (eq and colon and name.strip() and module.strip() and cls.strip()):
+            raise ValueError(f"{EXTRA_CONNECTORS_ENV}: {item!r} is not Name=module:Class")
+        found[name.strip()] = (module.strip(), cls.strip())
+    return found
+
+
+def registered_v0_connectors(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The names a server started with `env` accepts: vLLM's, ours and the user's extras."""
+    return KNOWN_V0_CONNECTORS + tuple(parse_extra_connectors(env.get(EXTRA_CONNECTORS_ENV, "")))
+
+
 # Registered in the same factory but V1-only: named so the error can say so.
 KNOWN_V1_CONNECTORS = (
     "SharedStorageConnector", "P2pNcclConnector", "LMCacheConnectorV1", "NixlConnector",

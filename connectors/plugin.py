@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 
-ENV_EXTRA = "KVCTL_EXTRA_CONNECTORS"
+from connectors.config import EXTRA_CONNECTORS_ENV, parse_extra_connectors
 
 CONNECTORS = {
     "FSConnector": ("connectors.fs_connector", "FSConnector"),
@@ -23,23 +23,11 @@ CONNECTORS = {
 }
 
 
-def parse_extra_connectors(value: str) -> dict[str, tuple[str, str]]:
-    """`Name=module:Class;...` -> {Name: (module, Class)}. Raises ValueError naming the bad item."""
-    found = {}
-    for item in filter(None, (part.strip() for part in value.split(";"))):
-        name, eq, target = item.partition("=")
-        module, colon, cls = target.partition(":")
-        if not (eq and colon and name.strip() and module.strip() and cls.strip()):
-            raise ValueError(f"{ENV_EXTRA}: {item!r} is not Name=module:Class")
-        found[name.strip()] = (module.strip(), cls.strip())
-    return found
-
-
 def register() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     wanted = dict(CONNECTORS)
-    wanted.update(parse_extra_connectors(os.environ.get(ENV_EXTRA, "")))
+    wanted.update(parse_extra_connectors(os.environ.get(EXTRA_CONNECTORS_ENV, "")))
     for name, (module, cls) in wanted.items():
         # vLLM may load plugins more than once per process; registering twice raises.
         if name not in KVConnectorFactory._registry:

@@ -239,24 +239,19 @@ def default_kv_config(role: str, store: Path) -> dict:
             "kv_connector_extra_config": {"fs_storage_path": str(store)}}
 
 
-def validate_kv_config(cfg: dict, option: str) -> None:
-    """Validate with connectors.config; raises BadInput listing every problem."""
+def validate_kv_config(cfg: dict, option: str, env: Mapping[str, str]) -> None:
+    """Validate with connectors.config; raises BadInput listing every problem.
+
+    `env` is the server's environment: KVCTL_EXTRA_CONNECTORS there adds names.
+    """
+    from connectors.config import ConfigError, registered_v0_connectors, validate_kv_transfer_config
+
     try:
-        from connectors.config import ConfigError, validate_kv_transfer_config
-    except ModuleNotFoundError as e:
-        if e.name not in ("connectors.config", "connectors"):
-            raise
-        log.warning("connectors.config is not available; %s is not validated", option)
-        return
-    try:
-        validate_kv_transfer_config(cfg)
-    except ConfigError as e:
-        lines = []
-        for p in getattr(e, "problems", None) or []:
-            path, message, fix = (p if isinstance(p, tuple)
-                                  else (getattr(p, "path", ""), getattr(p, "message", str(p)),
-                                        getattr(p, "fix", "")))
-            lines.append(f"  {path or '$'}: {message}" + (f" (fix: {fix})" if fix else ""))
+        registered = registered_v0_connectors({**os.environ, **env})
+        validate_kv_transfer_config(cfg, registered=registered)
+    except ValueError as e:  # ConfigError, or a malformed KVCTL_EXTRA_CONNECTORS
+        problems = e.problems if isinstance(e, ConfigError) else []
+        lines = [f"  {p.path}: {p.message} (fix: {p.fix})" for p in problems]
         raise BadInput(f"invalid kv-transfer-config in {option}", where=option,
                        fix="correct the fields listed below (`kvctl validate` checks a config file)",
                        details="\n".join(lines) or str(e)) from None
@@ -373,7 +368,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         if isinstance(configs[role], _Default):
             configs[role] = default_kv_config(role, store_dir)
         elif configs[role] is not None:
-            validate_kv_config(configs[role], option)
+            validate_kv_config(configs[role], option, (prefill_env if role == "prefill" else decode_env) or {})
     for port, option in ((prefill_port, "--prefill-port"), (decode_port, "--decode-port")):
         if port:
             check_port_free(port, option)
