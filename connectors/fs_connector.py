@@ -48,6 +48,7 @@ logger = get_logger(__name__)
 SKIP_LINE = "[rank%d]: Successfully received all KVs and hidden states, skip model forwarding."
 REDO_LINE = "[rank%d]: Failed to receive all KVs and hidden states, redo model forwarding."
 SEND_LINE = "[rank%d]: KV send DONE."
+FAILURE_LOG_INTERVAL_S = 30.0  # a burst of identical send failures logs once per interval
 
 
 class FSConnector(KVConnectorBase):
@@ -66,7 +67,9 @@ class FSConnector(KVConnectorBase):
             raise
         self.is_producer = kv_config.is_kv_producer
         self.is_consumer = kv_config.is_kv_consumer
-        self.store = FSStore(self.root, fsync=self.settings.fsync)
+        self.store = FSStore(self.root, fsync=self.settings.fsync,
+                             max_bytes=self.settings.max_bytes,
+                             ttl_seconds=self.settings.ttl_seconds)
 
         model_config, parallel = config.model_config, config.parallel_config
         self.geometry = CacheGeometry(
@@ -80,6 +83,8 @@ class FSConnector(KVConnectorBase):
         self.tp_size = parallel.tensor_parallel_size
         self._identity: fmt.KVIdentity | None = None  # known once caches exist
         self._layout: KVLayout | None = None
+        self._last_failure: tuple[str, float] = ("", 0.0)  # error kind, when last logged
+        self._suppressed = 0
         logger.info("FSConnector ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
                     "head_size=%d block_size=%d tp=%d/%d fsync=%s", kv_config.kv_role, self.root,
                     self.model_id, self.num_layers, self.geometry.kv_heads,
@@ -130,11 +135,24 @@ class FSConnector(KVConnectorBase):
             try:
                 kv = torch.stack([layout.gather(cache, slots) for cache in kv_caches])
                 result = self.store.save(identity, tokens, kv, hidden[span.end - 1:span.end])
-            except OSError as e:
-                logger.error("[rank%d]: KV send FAILED for key=%s: %s", self.rank, key, e)
+            except (OSError, fmt.StoreError) as e:
+                self._send_failed(key, e)
                 continue
             logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f", self.rank,
                         result.key, len(tokens), result.num_bytes, result.seconds * 1e3)
+
+    def _send_failed(self, key: str, error: Exception) -> None:
+        """Log a failed publish once per burst of the same error (a full disk fails every request)."""
+        kind = f"{type(error).__name__}:{getattr(error, 'errno', '')}"
+        now = time.monotonic()
+        if kind != self._last_failure[0] or now - self._last_failure[1] > FAILURE_LOG_INTERVAL_S:
+            suppressed = self._suppressed
+            logger.error("[rank%d]: KV send FAILED for key=%s: %s (serving continues; nothing "
+                         "published)%s", self.rank, key, error,
+                         f"; {suppressed} similar failures not logged" if suppressed else "")
+            self._last_failure, self._suppressed = (kind, now), 0
+        else:
+            self._suppressed += 1
 
     def _already_stored(self, key: str) -> bool:
         path = fmt.entry_path(self.root, key)

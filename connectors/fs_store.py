@@ -8,6 +8,7 @@ memory the KV and hidden-state tensors then view.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Sequence
 import torch
 
 from connectors import store_format as fmt
+from connectors.eviction import BoundedPublish
 
 logger = logging.getLogger(__name__)
 
@@ -65,16 +67,23 @@ class LoadedEntry:
 class FSStore:
     """One store directory. Thread-safe: every call works on its own files."""
 
-    def __init__(self, root: Path | str, *, fsync: bool = True):
+    def __init__(self, root: Path | str, *, fsync: bool = True, max_bytes: int | None = None,
+                 ttl_seconds: float | None = None):
         self.root = Path(root)
         self.fsync = fsync
+        bounded = max_bytes is not None or ttl_seconds is not None
+        self.publish_hook = BoundedPublish(self.root, max_bytes, ttl_seconds) if bounded else None
 
     def key_for(self, identity: fmt.KVIdentity, token_ids: Sequence[int]) -> str:
         return fmt.compute_key(identity, token_ids)
 
     def save(self, identity: fmt.KVIdentity, token_ids: Sequence[int], kv: torch.Tensor,
              hidden: torch.Tensor) -> SaveResult:
-        """Publish one entry atomically. Raises OSError on I/O failure (nothing published)."""
+        """Publish one entry atomically (evicting LRU entries first in a bounded store).
+
+        Raises OSError on I/O failure and EntryTooLarge for an entry bigger
+        than max_bytes; nothing is published then.
+        """
         start = time.perf_counter()
         tokens = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
                                  dtype=torch.int64)
@@ -84,7 +93,8 @@ class FSStore:
             raise ValueError(f"kv shape {list(kv.shape)} != identity's {list(expected)}")
         blobs = {"token_ids": _blob(tokens), "kv": _blob(kv), "hidden": _blob(hidden)}
         key = fmt.key_from_token_bytes(identity, blobs["token_ids"].data)
-        path = fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync)
+        path = fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync,
+                               before_publish=self.publish_hook)
         size = sum(b.nbytes for b in blobs.values())
         return SaveResult(key, path, size, time.perf_counter() - start)
 
@@ -112,6 +122,7 @@ class FSStore:
         begin, end = header.span("token_ids")
         if bytes(view[begin:end]) != raw_tokens:
             raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
+        _touch(path)  # a hit makes the entry recent for LRU eviction
         data = holder[0]
         kv = self._tensor(header, data, "kv").to(device, non_blocking=True)
         hidden = self._tensor(header, data, "hidden").to(device, non_blocking=True)
@@ -123,3 +134,10 @@ class FSStore:
         begin, end = header.span(name)
         dtype = TAG_TO_TORCH[info["dtype"]]
         return data[begin:end].view(dtype).view(info["shape"])
+
+
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass  # evicted meanwhile, or a read-only store: recency is best effort

@@ -7,6 +7,7 @@ Layout of a store directory::
 
     <root>/<key>.safetensors          one published entry (prompt x TP rank)
     <root>/.<key>.<pid>.<rand>.tmp     an entry being written (never read)
+    <root>/.kvctl-store.lock           flock for publish + eviction (bounded stores)
 
 An entry is a plain safetensors file (8-byte little-endian header length,
 JSON header, data) holding, in this order:
@@ -34,6 +35,7 @@ directory, fsync'ed (configurable), then renamed over the final name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -43,7 +45,7 @@ import time
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable, Sequence
+from typing import BinaryIO, Callable, ContextManager, Iterable, Sequence
 
 import xxhash
 
@@ -51,6 +53,7 @@ FORMAT_NAME = "kvctl-fs-kv"
 FORMAT_VERSION = 1
 ENTRY_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
+LOCK_NAME = ".kvctl-store.lock"  # serialises publish + eviction in bounded stores
 KEY_HEX_LEN = 32  # 128-bit keys
 # safetensors caps the header at 100 MB; ours is a few hundred bytes.
 MAX_HEADER_BYTES = 1 << 20
@@ -189,11 +192,15 @@ def build_header(identity: KVIdentity, blobs: dict[str, TensorBlob], data_checks
 
 
 def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[str, TensorBlob],
-                *, fsync: bool = True) -> Path:
+                *, fsync: bool = True,
+                before_publish: Callable[[int], ContextManager[object]] | None = None) -> Path:
     """Publish an entry atomically; returns its final path.
 
-    Raises OSError (ENOSPC, EIO, ...) after removing the temp file; a partial
-    entry is never visible under the final name.
+    The entry is written and fsync'ed under a temp name first. If given,
+    `before_publish(nbytes)` is entered around the rename (the bounded store
+    uses it to lock the directory and make room). Raises OSError (ENOSPC,
+    EIO, ...) or what `before_publish` raises, after removing the temp file;
+    a partial entry is never visible under the final name.
     """
     root = Path(root)
     ordered = [memoryview(blobs[n].data).cast("B") for n in TENSOR_ORDER]
@@ -209,7 +216,9 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-        os.replace(tmp, final)
+            size = f.tell()
+        with before_publish(size) if before_publish else contextlib.nullcontext():
+            os.replace(tmp, final)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -407,6 +416,8 @@ def scan_store(root: Path | str) -> ScanResult:
     result = ScanResult(root=root)
     for item in sorted(root.iterdir()):
         name = item.name
+        if name == LOCK_NAME:
+            continue
         if is_temp_name(name):
             result.temp_files.append(item)
         elif name.endswith(ENTRY_SUFFIX) and len(name) == KEY_HEX_LEN + len(ENTRY_SUFFIX):

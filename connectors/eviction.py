@@ -1,0 +1,109 @@
+"""Keep a store directory under `max_bytes`, and its entries younger than `ttl_seconds`.
+
+Recency is the entry file's mtime: publishing sets it and every hit (a load
+on the consumer, an already-stored send on the producer) touches it, so the
+oldest mtime is the least recently used entry.
+
+Removing an entry while a reader loads it is safe: a reader opens an entry
+once and reads it whole through that descriptor, and unlinking removes only
+the name (POSIX), so the reader still gets the complete file. Eviction
+therefore needs no reader coordination.
+
+Producers sharing a directory (several P instances) serialise "make room,
+then publish" with an flock on `<root>/.kvctl-store.lock`, so the published
+entries never exceed `max_bytes`, not even transiently. (Temp files being
+written are not entries and are not counted.) No torch, no vLLM: `kvctl store
+prune` uses the same code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from connectors import store_format as fmt
+
+
+class EntryTooLarge(fmt.StoreError):
+    """An entry bigger than the whole bound: never published."""
+
+
+@dataclass
+class EvictionReport:
+    removed: list[str] = field(default_factory=list)  # file names
+    freed_bytes: int = 0
+    total_bytes: int = 0  # published entries left
+
+
+@contextlib.contextmanager
+def store_lock(root: Path | str) -> Iterator[None]:
+    """Exclusive lock over the store's publish + eviction (all processes sharing it)."""
+    fd = os.open(Path(root) / fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the flock
+
+
+def published_entries(root: Path | str) -> list[tuple[Path, int, float]]:
+    """(path, bytes, mtime) of every published entry name, oldest first. Headers not read."""
+    found = []
+    with os.scandir(root) as it:
+        for e in it:
+            if e.name.endswith(fmt.ENTRY_SUFFIX) and not e.name.startswith("."):
+                try:
+                    st = e.stat()
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                found.append((Path(e.path), st.st_size, st.st_mtime))
+    found.sort(key=lambda item: item[2])
+    return found
+
+
+def evict(root: Path | str, *, max_bytes: int | None = None, ttl_seconds: float | None = None,
+          incoming: int = 0, now: float | None = None) -> EvictionReport:
+    """Remove expired entries, then the least recently used until `incoming` more bytes fit.
+
+    The caller holds `store_lock` when eviction must be atomic with a publish.
+    """
+    now = time.time() if now is None else now
+    entries = published_entries(root)
+    report = EvictionReport(total_bytes=sum(size for _, size, _ in entries))
+    for path, size, mtime in entries:
+        expired = ttl_seconds is not None and now - mtime > ttl_seconds
+        over = max_bytes is not None and report.total_bytes + incoming > max_bytes
+        if not (expired or over):
+            break  # oldest first: no newer entry is expired or needed for room either
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass  # another producer evicted it first
+        report.removed.append(path.name)
+        report.freed_bytes += size
+        report.total_bytes -= size
+    return report
+
+
+class BoundedPublish:
+    """`before_publish` hook for store_format.write_entry: lock, make room, then rename."""
+
+    def __init__(self, root: Path | str, max_bytes: int | None, ttl_seconds: float | None):
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.ttl_seconds = ttl_seconds
+        self.last_report: EvictionReport | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, nbytes: int) -> Iterator[None]:
+        if self.max_bytes is not None and nbytes > self.max_bytes:
+            raise EntryTooLarge(f"entry of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
+        with store_lock(self.root):
+            self.last_report = evict(self.root, max_bytes=self.max_bytes,
+                                     ttl_seconds=self.ttl_seconds, incoming=nbytes)
+            yield
