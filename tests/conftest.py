@@ -49,10 +49,10 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _find_rig() -> tuple[Path | None, str]:
     """The rig python ($KVCTL_RIG_PYTHON or the installed rig), or None and why."""
     from kvctl.errors import KvctlError
-    from kvctl.runtime.local import resolve_rig_python
+    from kvctl.rig import rig_python
 
     try:
-        return resolve_rig_python(), ""
+        return rig_python(), ""
     except KvctlError as e:
         return None, e.message
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.rig import rig_python
 from kvctl.runtime.base import (
     ENTRYPOINT_MODULE,
     InstanceSpec,
@@ -38,33 +39,6 @@ log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
 POLL_S = 0.1
-
-# The development rig, used only until kvctl.rig (`kvctl rig install`) exists.
-_DEV_RIG_PYTHON = Path("/tmp/scratch/rig/bin/python")
-
-
-def resolve_rig_python() -> Path:
-    """The python of the CPU rig that runs vLLM servers.
-
-    `kvctl.rig.rig_python()` ($KVCTL_RIG_PYTHON, else the installed rig).
-    Raises BadInput (with the fix) when no rig is installed.
-    """
-    try:
-        from kvctl.rig import rig_python
-    except ModuleNotFoundError as e:
-        if e.name != "kvctl.rig":
-            raise
-    else:
-        return rig_python()
-    # Until kvctl.rig lands: the same override, then the development rig.
-    override = os.environ.get("KVCTL_RIG_PYTHON")
-    if override and Path(override).is_file():
-        return Path(override)
-    if _DEV_RIG_PYTHON.exists():
-        return _DEV_RIG_PYTHON
-    raise BadInput("the CPU rig (a python with vLLM 0.9.2) is not installed",
-                   fix="run `kvctl rig install`, or set KVCTL_RIG_PYTHON to a python with vLLM")
-
 
 # --- /proc helpers (Linux); the local runtime runs where the CPU rig runs ---
 
@@ -210,7 +184,7 @@ class LocalRuntime:
     @property
     def python(self) -> Path:
         if self._python is None:
-            self._python = resolve_rig_python()
+            self._python = rig_python()
         return self._python
 
     def check(self) -> None:
