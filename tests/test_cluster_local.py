@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -285,7 +286,8 @@ def test_logs_tail_and_follow_until_the_server_exits(kvctl, kvctl_home):
         r = kvctl("logs", "prefill", "--name", "f", "--tail", "3")
         assert r.rc == 0 and r.stdout.splitlines() == ["line 7", "line 8", "line 9"], r
         follower = kvctl.popen("logs", "prefill", "--name", "f", "--follow", "--tail", "1")
-        time.sleep(1.5)
+        ready, _, _ = select.select([follower.stdout], [], [], 30)
+        assert ready and follower.stdout.readline() == "line 9\n"  # following now
         with open(log, "a") as f:
             f.write("line 10\nline 11\n")
         time.sleep(1)
@@ -293,7 +295,7 @@ def test_logs_tail_and_follow_until_the_server_exits(kvctl, kvctl_home):
         os.killpg(proc.pid, signal.SIGTERM)
         out, err = follower.communicate(timeout=20)  # ends by itself once the server is gone
         assert follower.returncode == 0, err
-        assert out.splitlines() == ["line 9", "line 10", "line 11"]
+        assert out.splitlines() == ["line 10", "line 11"]
         bad = kvctl("logs", "router", "--name", "f")
         assert bad.rc == 2 and "router" in bad.stderr
     finally:

@@ -162,12 +162,11 @@ class Runtime(Protocol):
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def read_log_tail(path: Path, lines: int) -> list[str]:
-    """The last `lines` lines of a log file, ANSI colours stripped; [] if missing."""
+def read_log_tail(path: Path, lines: int, end: int | None = None) -> list[str]:
+    """The last `lines` lines of a log file (before byte `end`), ANSI colours stripped; [] if missing."""
     try:
         with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
+            size = f.seek(0, 2) if end is None else end
             # Read backwards in chunks until we have enough newlines.
             chunk, data = 8192, b""
             pos = size
@@ -197,11 +196,10 @@ def follow_log(path: Path, tail: int | None, is_running: Callable[[], bool],
     Stops once the server is no longer running and the file has no more data,
     like `docker logs --follow` does when a container exits.
     """
-    if tail is None:
-        offset = 0
-    else:
-        yield from read_log_tail(path, tail)
-        offset = path.stat().st_size
+    offset = 0
+    if tail is not None:
+        offset = path.stat().st_size  # before yielding: lines written meanwhile come next
+        yield from read_log_tail(path, tail, end=offset)
     pending = b""
     while True:
         with open(path, "rb") as f:
