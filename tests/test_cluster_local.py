@@ -337,7 +337,6 @@ BAD_LAUNCHES = [
     (["--prefill-port", "BUSY"], "--prefill-port", "is not available"),
     (["--prefill-port", "FREE", "--decode-port", "FREE"], "--prefill-port, --decode-port",
      "cannot both use port"),
-    (["--runtime", "docker"], "--runtime docker", "not available yet"),
     (["--runtime", "podman"], "--runtime", "unknown runtime"),
     (["--name", "../evil"], "--name", "invalid cluster name"),
     (["--timeout", "0"], "--timeout", "timeout must be positive"),
