@@ -1,0 +1,20 @@
+"""`kvctl bench`: how fast the store and the transfer are, measured side by side.
+
+Modules:
+
+    common.py   no torch: timing, bench dirs, machine info, running a module in the rig
+    store.py    runs in the rig (torch): our store vs raw file I/O and the peers' formats
+    layout.py   runs in the rig (torch): gather/scatter through the paged layouts vs memcpy
+    ttft.py     no torch: real vLLM servers, decode TTFT with KV loaded vs recomputed
+    report.py   no torch: the result object, rich tables, the README markdown table
+    suite.py    the entry points the CLI calls: run_store / run_layout / run_ttft / run_all
+
+The rig-side modules print one JSON object on stdout when run as
+`python -m kvctl.bench.<name> '<params json>'`; kvctl itself never imports
+torch. Machines here are noisy, so every result leads with ratios of figures
+measured in the same run. Throughput ratios are `ours / baseline` (times:
+`baseline_s / ours_s`): above 1 means ours is faster. Ratios of times (TTFT,
+multi overhead) say so in their name's definition: lower is better. A
+headline ratio is the worst case over the sizes measured; `ratios_by_size`
+has each size.
+"""

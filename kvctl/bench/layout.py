@@ -1,0 +1,124 @@
+"""Layout bench, run in the rig (torch): gather/scatter through the paged caches vs memcpy.
+
+What FSConnector does per request, timed as best of N after a warm-up:
+
+    gather   torch.stack([layout.gather(cache, slots) for cache in caches])
+             -> [layers, 2, tokens, kv_heads, head_size], the entry it saves
+    scatter  for cache, layer_kv in zip(caches, kv): layout.scatter(cache, slots, layer_kv)
+
+against `dst.copy_(src)` of the same bytes between two preallocated
+contiguous tensors (the memory's own limit). Layouts: vLLM V0's
+PagedAttention (the CPU backend's) and FlashAttention. The slots of a
+request lie in blocks drawn from a shuffled block table twice the size the
+request needs, as a busy server's would. On CUDA when torch sees a GPU.
+
+CPU runs use 1 intra-op thread by default: on a shared 2-core machine two
+OpenMP threads wait on each other whenever one is descheduled, which made
+the same gather 8x slower and far noisier (measured here); the memcpy
+baseline runs with the same threads, so the ratio compares like with like.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from connectors.kv_layout import CacheGeometry, FlashAttentionLayout, KVLayout, PagedAttentionLayout
+from kvctl.bench.common import Progress, best_of, gbps, rig_main, speed_ratio
+
+LAYOUTS: dict[str, type[KVLayout]] = {
+    "paged_attention": PagedAttentionLayout,
+    "flash_attn": FlashAttentionLayout,
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def make_caches(name: str, g: CacheGeometry, layers: int, num_blocks: int, dtype, device) -> list:
+    """One cache per layer in the layout's vLLM 0.9.2 shape (filled: untouched pages fault)."""
+    if name == "paged_attention":
+        shape = (2, num_blocks, g.block_size * g.kv_heads * g.head_size)
+    else:
+        shape = (2, num_blocks, g.block_size, g.kv_heads, g.head_size)
+    return [torch.full(shape, 0.5, dtype=dtype, device=device) for _ in range(layers)]
+
+
+def request_slots(tokens: int, block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
+    """Slots of one prompt: its blocks come from a shuffled block table."""
+    table = torch.randperm(num_blocks, generator=gen)[: -(-tokens // block_size)]
+    pos = torch.arange(tokens)
+    return table[pos // block_size] * block_size + pos % block_size
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_one(name: str, tokens: int, p: dict, device: torch.device, progress: Progress) -> dict:
+    g = CacheGeometry(block_size=p["block_size"], kv_heads=p["kv_heads"], head_size=p["head_size"])
+    dtype, layers, repeat = DTYPES[p["dtype"]], p["layers"], p["repeat"]
+    num_blocks = 2 * -(-tokens // g.block_size) + 1
+    gen = torch.Generator().manual_seed(tokens)
+    slots = request_slots(tokens, g.block_size, num_blocks, gen).to(device)
+    layout = LAYOUTS[name](g)
+    caches = make_caches(name, g, layers, num_blocks, dtype, device)
+    src = torch.randn((layers, 2, tokens, g.kv_heads, g.head_size), generator=gen).to(dtype).to(device)
+    dst = torch.empty_like(src)
+
+    def gather():
+        out = torch.stack([layout.gather(cache, slots) for cache in caches])
+        _sync(device)
+        return out
+
+    def scatter():
+        for cache, layer_kv in zip(caches, src):
+            layout.scatter(cache, slots, layer_kv)
+        _sync(device)
+
+    def memcpy():
+        dst.copy_(src)
+        _sync(device)
+
+    scatter()  # warm-up, and a correctness check: what goes in must come back out
+    if not torch.equal(gather(), src):
+        raise RuntimeError(f"{name}: gather after scatter returned other data ({tokens} tokens)")
+    times = {"memcpy_s": best_of(memcpy, repeat), "gather_s": best_of(gather, repeat),
+             "scatter_s": best_of(scatter, repeat)}
+    nbytes = src.numel() * src.element_size()
+    del caches, src, dst
+    progress(f"layout {name} {tokens} tokens: gather {times['gather_s'] * 1e3:.1f} ms, "
+             f"scatter {times['scatter_s'] * 1e3:.1f} ms, memcpy {times['memcpy_s'] * 1e3:.1f} ms")
+    return {"layout": name, "tokens": tokens, "bytes": nbytes, **times,
+            "gather_gbps": gbps(nbytes, times["gather_s"]),
+            "scatter_gbps": gbps(nbytes, times["scatter_s"]),
+            "memcpy_gbps": gbps(nbytes, times["memcpy_s"]),
+            "ratios": {"gather_vs_memcpy": speed_ratio(times["memcpy_s"], times["gather_s"]),
+                       "scatter_vs_memcpy": speed_ratio(times["memcpy_s"], times["scatter_s"])}}
+
+
+def resolve_device(wanted: str) -> torch.device:
+    if wanted == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if wanted == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here")
+    return torch.device(wanted)
+
+
+def run(params: dict, progress: Progress) -> dict:
+    """params: tokens (list), repeat, device, threads (0: torch's default), layers,
+    kv_heads, head_size, block_size, dtype."""
+    device = resolve_device(params.get("device", "auto"))
+    if device.type == "cpu" and params.get("threads"):
+        torch.set_num_threads(int(params["threads"]))
+    cases = [bench_one(name, int(t), params, device, progress)
+             for name in LAYOUTS for t in params["tokens"]]
+    return {"device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "shape": {k: params[k] for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
+            "cases": cases}
+
+
+if __name__ == "__main__":
+    sys.exit(rig_main(run, sys.argv))

@@ -1,0 +1,264 @@
+"""TTFT bench: real vLLM V0 CPU servers, decode TTFT with KV loaded vs recomputed.
+
+One cluster launch serves both figures:
+
+    P  MultiConnectorV0 (kv_producer) -> [FSConnector on the shared store (transfer),
+                                          FSConnector on a second dir]
+    D  FSConnector consumer on the shared store
+
+For each prompt length, each repeat uses two fresh prompts of that length:
+
+    transfer    P answers it with max_tokens=1 (prefill, KV saved by both
+                children), then D answers it with max_tokens=1: D loads the
+                KV and skips its prefill (checked in D's log).
+    recompute   D answers a prompt nobody has stored: a miss, then a full prefill.
+
+TTFT is the whole max_tokens=1 HTTP round trip on D. Order alternates per
+repeat; the best of N counts; one untimed round at the largest length warms
+both servers up. `ttft_transfer_vs_recompute` = transfer TTFT / recompute
+TTFT (a time ratio: lower is better).
+
+Multi overhead comes from P's log: per request, MultiConnectorV0 logs each
+child's whole send (`sent to connector X (child i, ms)`) and each FSConnector
+logs its own store write (`KV send DONE ... ms=`). `multi_overhead` = the sum
+of the children's send times as the multi connector measured them / the sum
+of the children's own store-write times (a time ratio: 1.0 = nothing added;
+the difference holds each child's gather from the paged cache and key
+computation, which FSConnector's ms does not cover).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from kvctl import markers
+from kvctl.bench.common import Progress, quiet
+from kvctl.client import VLLMClient, user_messages
+from kvctl.errors import BadInput, RuntimeFailure
+
+LOG_WAIT_S = 15.0  # log lines are flushed asynchronously after the HTTP answer
+FIT_TRIES = 8  # tokenize rounds to bring a prompt to its target length
+_WORDS = (
+    "the cache holds keys and values for every layer of the model while a prefill runs "
+    "over the prompt and a decode step reads them back one token at a time store disk "
+    "file transfer request server memory block page slot head vector weather city river "
+    "mountain story about quick brown fox jumps over lazy dog summary explain why because"
+).split()
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str
+    tokens: int
+
+
+def prompt_text(words: int, tag: str) -> str:
+    """`words` words drawn with `tag` as the seed: another tag, another prompt."""
+    rng = random.Random(tag)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def fit_prompt(client: VLLMClient, target: int, tag: str) -> Prompt:
+    """A prompt whose chat-templated length is `target` tokens (within 1%)."""
+    words, best = target, None
+    for _ in range(FIT_TRIES):
+        text = prompt_text(words, tag)
+        n = len(client.tokenize_chat(user_messages(text)))
+        if n <= target and (best is None or n > best.tokens):
+            best = Prompt(text, n)
+        if abs(n - target) <= max(1, target // 100):
+            return Prompt(text, n)
+        words = max(1, words + round((target - n) * words / max(n, 1)))
+    if best is None:
+        raise RuntimeFailure(f"could not build a prompt of about {target} tokens",
+                             fix="use a larger --sizes value")
+    return best
+
+
+# --- P's log: one record per (multi) send step ---
+
+@dataclasses.dataclass
+class SendStep:
+    tokens: int | None
+    child_ms: dict[int, float]  # child index -> whole send, as MultiConnectorV0 timed it
+    store_ms: dict[int, float]  # child index -> FSConnector's own `KV send DONE ... ms=`
+
+
+def send_steps(log_text: str) -> list[SendStep]:
+    """Pair each child's `KV send DONE` with the `sent to connector` line that follows it."""
+    steps: list[SendStep] = []
+    pending_done: markers.KVSendLine | None = None
+    for line in log_text.splitlines():
+        done = markers.kv_sends(line)
+        if done:
+            pending_done = done[0]
+            continue
+        sent = markers.child_sends(line)
+        if not sent or sent[0].child is None or sent[0].ms is None:
+            continue
+        child = sent[0].child
+        if child == 0 or not steps:
+            steps.append(SendStep(None, {}, {}))
+        step = steps[-1]
+        step.child_ms[child] = sent[0].ms
+        if pending_done is not None and pending_done.ms is not None:
+            step.store_ms[child] = pending_done.ms
+            step.tokens = pending_done.tokens
+        pending_done = None
+    return steps
+
+
+# --- the bench ---
+
+def multi_config(store_a: Path, store_b: Path) -> dict:
+    def child(path: Path, transfer: bool) -> dict:
+        extra = {"fs_storage_path": str(path)}
+        if transfer:
+            extra["transfer"] = True
+        return {"kv_connector": "FSConnector", "kv_role": "kv_producer",
+                "kv_connector_extra_config": extra}
+
+    return {"kv_connector": "MultiConnectorV0", "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"connectors": [child(store_a, True), child(store_b, False)]}}
+
+
+def _max_positions(model: Path) -> int | None:
+    try:
+        return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+class _Run:
+    """One launched cluster and what it has logged so far."""
+
+    def __init__(self, state, progress: Progress):
+        self.state = state
+        self.progress = progress
+        name = state.served_model_name
+        self.p = VLLMClient(state.instances["prefill"].url, name, role="prefill")
+        self.d = VLLMClient(state.instances["decode"].url, name, role="decode")
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+
+    def log(self, role: str) -> str:
+        return Path(self.state.instances[role].log_path).read_text(errors="replace")
+
+    def wait_log(self, role: str, count, at_least: int) -> list:
+        """Poll a log until `count(text)` has at least `at_least` items; returns them."""
+        deadline = time.monotonic() + LOG_WAIT_S
+        while True:
+            found = count(self.log(role))
+            if len(found) >= at_least or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
+    def transfer(self, prompt: Prompt) -> dict:
+        sends_before = len(send_steps(self.log("prefill")))
+        skips_before = len(markers.skip_forwards(self.log("decode")))
+        p = self.p.chat(user_messages(prompt.text), max_tokens=1)
+        steps = self.wait_log("prefill", send_steps, sends_before + 1)
+        d = self.d.chat(user_messages(prompt.text), max_tokens=1)
+        skips = self.wait_log("decode", markers.skip_forwards, skips_before + 1)
+        if len(skips) <= skips_before:
+            raise RuntimeFailure(f"D recomputed a {prompt.tokens}-token prompt that P had just stored",
+                                 where=self.state.instances["decode"].log_path,
+                                 fix="read the decode log's `redo model forwarding` reason")
+        step = steps[sends_before] if len(steps) > sends_before else None
+        return {"p_s": p.latency_s, "ttft_s": d.latency_s, "load_ms": skips[-1].ms,
+                "first_token_match": (p.token_ids == d.token_ids) if p.token_ids else None,
+                "child_ms": sum(step.child_ms.values()) if step else None,
+                "store_ms": sum(step.store_ms.values()) if step and step.store_ms else None,
+                "children": len(step.child_ms) if step else 0}
+
+    def recompute(self, prompt: Prompt) -> dict:
+        d = self.d.chat(user_messages(prompt.text), max_tokens=1)
+        return {"ttft_s": d.latency_s}
+
+
+def _best(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return min(values) if values else None
+
+
+def bench_size(run: _Run, target: int, repeat: int, nonce: str) -> dict:
+    rounds = []
+    for r in range(repeat):
+        sent = fit_prompt(run.p, target, f"{nonce} t {target} {r}")
+        fresh = fit_prompt(run.p, target, f"{nonce} r {target} {r}")
+        if r % 2 == 0:
+            t, c = run.transfer(sent), run.recompute(fresh)
+        else:
+            c, t = run.recompute(fresh), run.transfer(sent)
+        rounds.append({"tokens": sent.tokens, "recompute_tokens": fresh.tokens, "transfer": t,
+                       "recompute": c})
+        run.progress(f"ttft {target} tokens, round {r + 1}/{repeat}: transfer "
+                     f"{t['ttft_s'] * 1e3:.0f} ms, recompute {c['ttft_s'] * 1e3:.0f} ms")
+    tt = _best(x["transfer"]["ttft_s"] for x in rounds)
+    tr = _best(x["recompute"]["ttft_s"] for x in rounds)
+    child = _best(x["transfer"]["child_ms"] for x in rounds)
+    store = _best(x["transfer"]["store_ms"] for x in rounds)
+    ratios = {"ttft_transfer_vs_recompute": tt / tr}
+    if child is not None and store:
+        ratios["multi_overhead"] = child / store
+    return {"target_tokens": target, "tokens": rounds[0]["tokens"],
+            "ttft_transfer_s": tt, "ttft_recompute_s": tr,
+            "p_latency_s": _best(x["transfer"]["p_s"] for x in rounds),
+            "d_load_ms": _best(x["transfer"]["load_ms"] for x in rounds),
+            "multi_children_send_ms": child, "children_store_ms": store,
+            "first_token_match": all(x["transfer"]["first_token_match"] is not False for x in rounds),
+            "ratios": ratios, "rounds": rounds}
+
+
+def run(model: Path, sizes: list[int], repeat: int, progress: Progress = quiet,
+        name: str | None = None, timeout_s: float = 600.0) -> dict:
+    """Launch the bench cluster, measure every size, tear it down. Raw figures per size.
+
+    Raises BadInput (model, sizes), RuntimeFailure (launch, requests, a
+    transfer that did not happen).
+    """
+    from kvctl.cluster import DEFAULT_CONFIG, build_1p1d_spec, cluster_dir
+    from kvctl.launch import running_cluster
+
+    limit = _max_positions(model)
+    need = max(sizes) + 1
+    if limit is not None and need > limit:
+        raise BadInput(f"--sizes {max(sizes)} does not fit the model's {limit} positions",
+                       where="--sizes", fix=f"use prompt lengths below {limit}")
+    name = name or f"bench-ttft-{os.getpid()}"
+    cdir = cluster_dir(name)
+    spec = build_1p1d_spec(name=name, model=model,
+                           prefill_config=multi_config(cdir / "store", cdir / "store-b"),
+                           decode_config=DEFAULT_CONFIG, timeout_s=timeout_s)
+    if need + 16 > spec.max_model_len:
+        spec = dataclasses.replace(spec, max_model_len=min(limit or need + 16, max(2048, need + 16)))
+    last_states: dict[str, str] = {}
+
+    def on_launch(p) -> None:
+        for role, rp in p.roles.items():
+            if last_states.get(role) != rp.state:
+                last_states[role] = rp.state
+                progress(f"{role}: {rp.state} ({p.elapsed_s:.0f} s)")
+
+    nonce = f"{os.getpid()}-{time.time_ns()}"
+    started = time.monotonic()
+    with running_cluster(spec, on_launch) as state:
+        launch_s = time.monotonic() - started
+        bench = _Run(state, progress)
+        try:
+            warm = max(sizes)
+            bench.transfer(fit_prompt(bench.p, warm, f"{nonce} warm t"))
+            bench.recompute(fit_prompt(bench.p, warm, f"{nonce} warm r"))
+            progress(f"ttft: warmed up at {warm} tokens")
+            results = [bench_size(bench, t, repeat, nonce) for t in sizes]
+        finally:
+            bench.close()
+    return {"model": str(model), "served_model_name": spec.served_model_name, "dtype": spec.dtype,
+            "launch_s": launch_s, "max_model_len": spec.max_model_len, "sizes": results}

@@ -1,0 +1,123 @@
+"""`kvctl bench store|layout|ttft|all`: side-by-side performance ratios."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.markup import escape
+
+from kvctl.bench import report, suite
+from kvctl.bench.common import check_repeat, parse_sizes
+from kvctl.errors import BadInput
+from kvctl.render import Output
+
+bench_app = typer.Typer(
+    help="Benchmarks, reported as ratios of figures measured side by side in one run "
+         "(throughput ratios: ours / baseline, > 1 = ours faster). Run them under `nice` "
+         "on a shared machine.",
+    no_args_is_help=True,
+)
+
+JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout (top-level \"ratios\").")
+REPEAT_OPT = typer.Option(suite.REPEAT, "--repeat", help="Timed runs per figure; the best counts.")
+QUICK_OPT = typer.Option(False, "--quick", help="Small sizes only (a minute or two).")
+SIZES_OPT_HELP = "Comma-separated (or repeated) sizes"
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(bench_app, name="bench")
+
+
+def _progress(out: Output):
+    return lambda line: out.stderr.print(f"[dim]{escape(line)}[/dim]", highlight=False)
+
+
+def _show(out: Output, results: list[dict]) -> None:
+    if out.json_mode:
+        if len(results) == 1:
+            out.emit_json(results[0])
+        else:
+            merged = {k: v for r in results for k, v in r["ratios"].items()}
+            out.emit_json({"ratios": merged, **{r["bench"]: r for r in results}})
+        return
+    report.render(results, out.stdout)
+
+
+@bench_app.command("store")
+def store_cmd(
+    sizes: Optional[list[str]] = typer.Option(None, "--sizes", help=f"{SIZES_OPT_HELP}, in MB "
+                                              "(default 1,64,512; --quick 1,8)."),
+    repeat: int = REPEAT_OPT,
+    quick: bool = QUICK_OPT,
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write (default "
+                                             "$KVCTL_HOME/bench); its filesystem is measured."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Our FS store's save/load vs raw file I/O and the peers' formats (safetensors, torch.save)."""
+    out = Output(json_mode=json_out)
+    mb = parse_sizes(sizes, suite.STORE_QUICK_MB if quick else suite.STORE_SIZES_MB, "--sizes",
+                     "MB", integer=False)
+    _show(out, [suite.run_store(mb, check_repeat(repeat), directory, _progress(out))])
+
+
+@bench_app.command("layout")
+def layout_cmd(
+    sizes: Optional[list[str]] = typer.Option(None, "--sizes", help=f"{SIZES_OPT_HELP}, in tokens "
+                                              "(default 1024,2048,4096; --quick 256,1024)."),
+    repeat: int = REPEAT_OPT,
+    quick: bool = QUICK_OPT,
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when torch sees one), cpu or cuda."),
+    threads: int = typer.Option(suite.LAYOUT_THREADS, "--threads", help="torch threads on CPU "
+                                "(0: torch's default; 1 is stable on a shared machine)."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Gather/scatter through the paged KV layouts (CPU V0, flash) vs a plain memcpy."""
+    out = Output(json_mode=json_out)
+    tokens = parse_sizes(sizes, suite.LAYOUT_QUICK_TOKENS if quick else suite.LAYOUT_TOKENS,
+                         "--sizes", "tokens", integer=True)
+    _show(out, [suite.run_layout([int(t) for t in tokens], check_repeat(repeat), device, threads,
+                                 _progress(out))])
+
+
+@bench_app.command("ttft")
+def ttft_cmd(
+    sizes: Optional[list[str]] = typer.Option(None, "--sizes", help=f"{SIZES_OPT_HELP}: prompt "
+                                              "lengths in tokens (default 512,1024,2048; --quick 256,512)."),
+    repeat: int = REPEAT_OPT,
+    quick: bool = QUICK_OPT,
+    model: Optional[Path] = typer.Option(None, "--model", help="HF model dir (default: the bench "
+                                         "model, `kvctl model bench`)."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Decode TTFT with KV from the store vs recomputing; MultiConnectorV0's send overhead.
+
+    Launches one real 1P1D cluster of vLLM CPU servers and tears it down.
+    """
+    out = Output(json_mode=json_out)
+    tokens = parse_sizes(sizes, suite.TTFT_QUICK_TOKENS if quick else suite.TTFT_TOKENS,
+                         "--sizes", "tokens", integer=True)
+    _show(out, [suite.run_ttft([int(t) for t in tokens], check_repeat(repeat), model,
+                               _progress(out))])
+
+
+@bench_app.command("all")
+def all_cmd(
+    repeat: int = REPEAT_OPT,
+    quick: bool = QUICK_OPT,
+    directory: Optional[Path] = typer.Option(None, "--dir", help="Store bench dir (default $KVCTL_HOME/bench)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="ttft model (default: the bench model)."),
+    markdown: Optional[Path] = typer.Option(None, "--markdown", help="Also write the README "
+                                            "results table (markdown) to this file."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """store, layout and ttft with their default sizes; optionally the README table."""
+    out = Output(json_mode=json_out)
+    if markdown is not None and markdown.is_dir():
+        raise BadInput(f"{markdown} is a directory", where="--markdown", fix="pass a file path")
+    results = suite.run_all(quick, check_repeat(repeat), directory, model, _progress(out))
+    if markdown is not None:
+        markdown.write_text(report.markdown(results, suite.README_COMMAND))
+        out.info(f"wrote {escape(str(markdown))}")
+    _show(out, results)
