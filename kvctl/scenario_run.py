@@ -1,0 +1,414 @@
+"""Run a scenario: launch → verify → inspect-store → down, always tearing down.
+
+`plan_scenario` turns a Scenario into a ClusterSpec (runtime, model, store,
+resolved configs) and starts nothing: every problem it finds is a BadInput,
+raised before any server exists. `run_scenario` then runs the four phases,
+each timed, and returns a ScenarioReport. Teardown runs whatever happens:
+failed checks, a launch or verify error, Ctrl-C, SIGTERM or SIGHUP (the
+report then says `interrupted`). Errors after the plan do not propagate;
+they are recorded in the report, whose `exit_code` the CLI exits with.
+
+Report JSON (a contract, like verify's):
+
+    {"scenario": str, "passed": bool, "exit_code": int,
+     "phases": [{"name": "launch"|"verify"|"inspect"|"down",
+                 "status": "passed"|"failed"|"interrupted"|"skipped", "seconds": float|null,
+                 "detail": str}],
+     "verify": <kvctl verify --json object> | null,
+     "store": <kvctl inspect-store --json object> | null,
+     "wall_s": float, ...}
+
+Library code: nothing here prints; progress goes to a ScenarioProgress.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvctl.cluster import ClusterSpec, build_1p1d_spec, cluster_dir
+from kvctl.errors import BadInput, ExitCode, KvctlError
+from kvctl.junit import verify_junit
+from kvctl.launch import LaunchProgress, _signals_interrupt, down, running_cluster
+from kvctl.paths import kvctl_home
+from kvctl.runtime import select_runtime
+from kvctl.scenario import Scenario
+from kvctl.store_inspect import StoreReport, inspect_store
+from kvctl.verify import (
+    ClusterVerifier,
+    VerifyReport,
+    check_prompts,
+    cluster_info,
+    expected_send_children,
+)
+
+log = logging.getLogger(__name__)
+
+PHASES = ("launch", "verify", "inspect", "down")
+KEPT_ROOT = "scenario-runs"  # under $KVCTL_HOME: what --keep keeps (store and logs)
+# Where build_1p1d_spec's errors point (its CLI options), as scenario JSON paths.
+_OPTION_PATHS = {"--name": "$.name", "--model": "$.model", "--timeout": "$.timeout",
+                 "--prefill-config": "$.prefill.kv_transfer_config",
+                 "--decode-config": "$.decode.kv_transfer_config", "--store": "$.store",
+                 "--runtime": "$.runtime"}
+
+
+class ScenarioProgress:
+    """Callbacks for a running scenario; the defaults do nothing. The CLI overrides them."""
+
+    def phase_started(self, phase: PhaseResult) -> None: ...
+
+    def phase_finished(self, phase: PhaseResult) -> None: ...
+
+    def launch(self, progress: LaunchProgress) -> None: ...
+
+    def request(self, index: int, total: int, stage: str) -> None: ...
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    status: str = "skipped"  # skipped (never ran) | running | passed | failed | interrupted
+    seconds: float | None = None
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "status": self.status,
+                "seconds": None if self.seconds is None else round(self.seconds, 3), "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class ScenarioPlan:
+    """A scenario resolved for this machine: what will be launched and checked."""
+
+    scenario: Scenario
+    source: str | None  # the scenario file, for messages
+    spec: ClusterSpec
+    runtime_reason: str
+    prompts: list[str]
+    send_children: list[tuple[int, str]] | None  # None: verify derives them from P's config
+    kept_dir: Path | None  # --keep: store and logs end up here
+
+
+@dataclass
+class ScenarioReport:
+    scenario: str
+    source: str | None
+    cluster: str
+    runtime: str
+    runtime_reason: str
+    expected_checks: list[str]
+    phases: dict[str, PhaseResult] = field(default_factory=lambda: {p: PhaseResult(p) for p in PHASES})
+    verify: VerifyReport | None = None
+    store: StoreReport | None = None
+    error: KvctlError | None = None  # what stopped the run early (launch or verify), if anything
+    interrupted: bool = False
+    kept: str | None = None
+    wall_s: float = 0.0
+
+    def failed_checks(self) -> list[tuple[int, str, str]]:
+        """(request index, check name, evidence) of every expected check that failed."""
+        if self.verify is None:
+            return []
+        return [(i, c.name, c.evidence) for i, r in enumerate(self.verify.requests) for c in r.checks
+                if c.name in self.expected_checks and not c.passed]
+
+    @property
+    def passed(self) -> bool:
+        return (self.error is None and not self.interrupted
+                and all(p.status == "passed" for p in self.phases.values()))
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return int(ExitCode.INTERRUPTED)
+        if self.error is not None:
+            return int(self.error.exit_code)  # RuntimeFailure: 3
+        return int(ExitCode.OK if self.passed else ExitCode.CHECK_FAILED)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario, "source": self.source, "cluster": self.cluster,
+            "runtime": self.runtime, "runtime_reason": self.runtime_reason,
+            "passed": self.passed, "exit_code": self.exit_code, "interrupted": self.interrupted,
+            "expected_checks": self.expected_checks,
+            "phases": [p.to_json() for p in self.phases.values()],
+            "verify": self.verify.to_json() if self.verify else None,
+            "store": self.store.to_json() if self.store else None,
+            "error": self.error.to_json() if self.error else None,
+            "kept": self.kept, "wall_s": round(self.wall_s, 3),
+        }
+
+
+# ---------------------------------------------------------------- plan
+
+
+def _in_scenario(e: BadInput, source: str | None) -> BadInput:
+    """The same error, pointing at the scenario field instead of a CLI option."""
+    path = _OPTION_PATHS.get(e.where or "", e.where)
+    where = f"{source}: {path}" if source and path else (path or source)
+    return BadInput(e.what, where=where, fix=e.fix, details=e.details)
+
+
+def _send_children(scenario: Scenario, prefill_config: dict) -> list[tuple[int, str]] | None:
+    """(child index, name) pairs for `expectations.sent_to_connectors`, in P's child order.
+
+    Names map to P's sending children in order, so [FSConnector, FSConnector]
+    means both FSConnector children. Raises BadInput when P has fewer.
+    """
+    names = scenario.expectations.sent_to_connectors
+    if names is None:
+        return None
+    available = expected_send_children(prefill_config)
+    picked: list[tuple[int, str]] = []
+    for i, name in enumerate(names):
+        child = next((c for c in available if c[1] == name and c not in picked), None)
+        if child is None:
+            count = sum(1 for c in available if c[1] == name)
+            raise BadInput(f"expects {names.count(name)} `sent to connector {name}` lines per request, "
+                           f"but P has {count} sending {name} child{'ren' if count != 1 else ''}",
+                           where=f"$.expectations.sent_to_connectors[{i}]",
+                           fix="list each sending child of P once, in config order")
+        picked.append(child)
+    return sorted(picked)
+
+
+def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None = None) -> ScenarioPlan:
+    """Resolve `scenario` for this machine. Starts nothing.
+
+    The runtime goes through `select_runtime` (as `kvctl launch --runtime`);
+    `model: tiny` is the generated tiny model; `${store}` is `store`, or a
+    fresh dir (in the cluster dir, or under $KVCTL_HOME/scenario-runs with
+    `keep`); `${instance_dir}` is a per-role dir in the cluster dir.
+    Raises BadInput, naming the scenario field, for a runtime this kvctl
+    cannot run, a missing model, an invalid config or empty prompts.
+    """
+    try:
+        runtime, why = select_runtime(scenario.runtime)
+    except BadInput as e:
+        # select_runtime's fix may name `--runtime`, an option scenarios do not have.
+        fix = e.fix if e.fix and "--runtime" not in e.fix else (
+            f"run it where kvctl can use the {scenario.runtime} runtime, or run a local (CPU) "
+            "scenario such as smoke-1p1d")
+        raise BadInput(f"scenario {scenario.name} needs the {scenario.runtime} runtime: {e.what}",
+                       where=f"{source}: $.runtime" if source else "$.runtime", fix=fix) from None
+    name = scenario.name
+    try:
+        cdir = cluster_dir(name)
+        kept_dir = None
+        if keep:
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            kept_dir = kvctl_home() / KEPT_ROOT / f"{name}-{stamp}"
+        if scenario.store is not None:
+            store = Path(scenario.store).expanduser().resolve()
+        else:
+            store = (kept_dir or cdir) / "store"
+        configs = {role: scenario.resolved_config(role, str(store), str(cdir / "instances" / role))
+                   for role in ("prefill", "decode")}
+        prompts = check_prompts(scenario.prompt_texts())
+        spec = build_1p1d_spec(
+            name=name, runtime=runtime,
+            model=None if scenario.model == "tiny" else Path(scenario.model),  # None: the tiny model
+            served_model_name=scenario.served_model_name,
+            prefill_config=configs["prefill"], decode_config=configs["decode"], store=store,
+            timeout_s=scenario.timeout,
+            prefill_args=tuple(scenario.prefill.args), decode_args=tuple(scenario.decode.args),
+            prefill_env=scenario.prefill.env, decode_env=scenario.decode.env)
+        children = _send_children(scenario, configs["prefill"])
+    except BadInput as e:
+        if e.where and e.where.startswith("prompts["):
+            e.where = "$." + e.where
+        raise _in_scenario(e, source) from None
+    return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
+                        send_children=children, kept_dir=kept_dir)
+
+
+# ---------------------------------------------------------------- run
+
+
+class _Phases:
+    """Times each phase and records how it ended; the caller's exception still propagates."""
+
+    def __init__(self, report: ScenarioReport, progress: ScenarioProgress):
+        self.report = report
+        self.progress = progress
+
+    @contextlib.contextmanager
+    def run(self, name: str) -> Iterator[PhaseResult]:
+        phase = self.report.phases[name]
+        phase.status, phase.detail = "running", ""
+        self.progress.phase_started(phase)
+        t0 = time.monotonic()
+        try:
+            yield phase
+        except KeyboardInterrupt:
+            phase.status, phase.detail = "interrupted", "interrupted (Ctrl-C or a termination signal)"
+            raise
+        except KvctlError as e:
+            phase.status, phase.detail = "failed", e.what
+            raise
+        except BaseException as e:
+            phase.status, phase.detail = "failed", f"{type(e).__name__}: {e}"
+            raise
+        else:
+            if phase.status == "running":
+                phase.status = "passed"
+        finally:
+            phase.seconds = time.monotonic() - t0
+            self.progress.phase_finished(phase)
+
+
+def _verify(state: Any, plan: ScenarioPlan, progress: ScenarioProgress) -> VerifyReport:
+    """verify_cluster's loop, with the scenario's expected `sent to connector` children."""
+    info = cluster_info(state)
+    max_tokens = plan.scenario.max_tokens
+    total = len(plan.prompts)
+    with ClusterVerifier(info) as verifier:
+        if plan.send_children is not None:
+            verifier.children = plan.send_children
+        requests = []
+        for i, prompt in enumerate(plan.prompts):
+            requests.append(verifier.verify_prompt(prompt, max_tokens,
+                                                   lambda stage, i=i: progress.request(i, total, stage)))
+            progress.request(i, total, "done")
+    return VerifyReport(cluster=info.name, requests=requests, max_tokens=max_tokens)
+
+
+def _keep_logs(plan: ScenarioPlan) -> None:
+    """Copy the servers' logs into the kept dir (down removes the cluster dir)."""
+    assert plan.kept_dir is not None
+    logs = cluster_dir(plan.spec.name) / "logs"
+    if logs.is_dir():
+        shutil.copytree(logs, plan.kept_dir / "logs", dirs_exist_ok=True)
+
+
+def _down(plan: ScenarioPlan, stack: contextlib.ExitStack | None) -> None:
+    if plan.kept_dir is not None:
+        _keep_logs(plan)
+    if stack is not None:
+        stack.close()  # running_cluster's teardown: signals ignored until it is done
+    else:
+        down(plan.spec.name)  # after a failed launch: its logs and dirs
+
+
+def _run_phases(plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
+                progress: ScenarioProgress) -> None:
+    with contextlib.ExitStack() as stack:
+        try:
+            with phases.run("launch"):
+                state = stack.enter_context(running_cluster(plan.spec, progress.launch))
+        except BadInput:
+            raise  # refused before starting anything (e.g. the name is in use): nothing of ours to stop
+        except BaseException:
+            with phases.run("down"):  # launch stopped its servers; remove what is left
+                _down(plan, None)
+            raise
+        try:
+            with phases.run("verify") as phase:
+                report.verify = _verify(state, plan, progress)
+                failed = report.failed_checks()
+                if failed:
+                    names = sorted({name for _, name, _ in failed})
+                    phase.status, phase.detail = "failed", f"{len(failed)} failed checks: {', '.join(names)}"
+            with phases.run("inspect") as phase:
+                report.store = inspect_store(Path(state.store), verify=True)
+                if report.store.problems:
+                    phase.status = "failed"
+                    phase.detail = (f"{len(report.store.invalid)} invalid entries, "
+                                    f"{len(report.store.temp_files)} temp files")
+        finally:
+            with phases.run("down"):
+                _down(plan, stack)
+
+
+def run_scenario(scenario: Scenario, progress: ScenarioProgress | None = None, *, keep: bool = False,
+                 source: str | None = None) -> ScenarioReport:
+    """Launch, verify, inspect the store and tear down; returns the report.
+
+    `keep` keeps the store and the server logs (under $KVCTL_HOME/scenario-runs);
+    servers are always stopped. Raises BadInput before starting anything
+    (see plan_scenario). Afterwards nothing is raised: launch or verify errors
+    go to `report.error`, Ctrl-C/SIGTERM/SIGHUP to `report.interrupted`,
+    and teardown has run in every case.
+    """
+    progress = progress or ScenarioProgress()
+    plan = plan_scenario(scenario, keep=keep, source=source)
+    report = ScenarioReport(scenario=scenario.name, source=source, cluster=plan.spec.name,
+                            runtime=plan.spec.runtime, runtime_reason=plan.runtime_reason,
+                            expected_checks=list(scenario.expectations.checks))
+    t0 = time.monotonic()
+    # SIGTERM/SIGHUP (e.g. a CI timeout) must tear down too, not only Ctrl-C.
+    with _signals_interrupt():
+        try:
+            _run_phases(plan, report, _Phases(report, progress), progress)
+        except KeyboardInterrupt:
+            report.interrupted = True
+        except KvctlError as e:
+            report.error = e
+    report.wall_s = time.monotonic() - t0
+    if plan.kept_dir is not None and plan.kept_dir.exists():
+        report.kept = str(plan.kept_dir)
+    return report
+
+
+# ---------------------------------------------------------------- JUnit
+
+
+def scenario_junit(report: ScenarioReport) -> ET.ElementTree:
+    """verify's testcases (one per check per request) plus one per phase that did not pass.
+
+    A launch failure thus still gives CI a failed testcase.
+    """
+    suite_name = f"kvctl scenario {report.scenario}"
+    if report.verify is not None:
+        tree = verify_junit(report.verify, suite_name=suite_name)
+        root = tree.getroot()
+        suite = root.find("testsuite")
+    else:
+        root = ET.Element("testsuites", tests="0", failures="0", errors="0")
+        suite = ET.SubElement(root, "testsuite", name=suite_name, tests="0", failures="0", errors="0",
+                              skipped="0")
+        tree = ET.ElementTree(root)
+    assert suite is not None
+    for phase in report.phases.values():
+        case = ET.SubElement(suite, "testcase", classname=f"kvctl.scenario.{report.scenario}",
+                             name=f"phase {phase.name}", time=f"{phase.seconds or 0:.3f}")
+        if phase.status in ("failed", "interrupted"):
+            text = phase.detail
+            if phase.name in ("launch", "verify") and report.error is not None:
+                text = report.error.message + (f"\n{report.error.details}" if report.error.details else "")
+            ET.SubElement(case, "failure", type=phase.status,
+                          message=_printable(phase.detail)[:300]).text = _printable(text)
+        elif phase.status == "skipped":
+            ET.SubElement(case, "skipped", message="not reached")
+    for element in (root, suite):
+        cases = suite.findall("testcase")
+        element.set("tests", str(len(cases)))
+        element.set("failures", str(sum(1 for c in cases if c.find("failure") is not None)))
+    suite.set("skipped", str(sum(1 for c in suite.findall("testcase") if c.find("skipped") is not None)))
+    ET.indent(root)
+    return tree
+
+
+def _printable(text: str) -> str:
+    """Drop what XML 1.0 cannot hold (server log tails may contain control characters)."""
+    return "".join(ch for ch in text if ch.isprintable() or ch in "\n\t")
+
+
+def write_scenario_junit(report: ScenarioReport, path: Path | str) -> Path:
+    """Write the JUnit file. Raises BadInput when the path cannot be written."""
+    path = Path(path)
+    try:
+        scenario_junit(report).write(path, encoding="utf-8", xml_declaration=True)
+    except OSError as e:
+        raise BadInput(f"cannot write the JUnit file: {e}", where=str(path),
+                       fix="pass --junit-xml a path in a writable, existing directory") from None
+    return path
