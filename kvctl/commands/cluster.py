@@ -116,8 +116,13 @@ def launch_1p1d_cmd(
         decode_env=parse_env_items(decode_env, "--decode-env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls)
     out.info(f"runtime: [bold]{chosen}[/bold] ({why}); model {spec.model}; store {spec.store}")
-    with _LaunchDisplay(out) as display:
-        state = lifecycle.launch_1p1d(spec, progress=display)
+    try:
+        with _LaunchDisplay(out) as display:
+            state = lifecycle.launch_1p1d(spec, progress=display)
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: launch has cleaned up already
+        out.info(f"[yellow]interrupted[/yellow] ({e or 'SIGINT'}): stopped the servers of cluster "
+                 f"{name!r} and removed its state")
+        raise
     if json_:
         out.emit_json(state.to_json())
         return
