@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         # Without standalone mode, click returns a command's typer.Exit code instead of raising.
         result = app(args=args, prog_name="kvctl", standalone_mode=False)
         code = result if isinstance(result, int) else ExitCode.OK
+        if code == ExitCode.INTERRUPTED:  # a command that cleaned up after Ctrl-C itself
+            out.stderr.print("[yellow]interrupted[/yellow]")
     except KvctlError as e:
         out.error(e)
         if debug:

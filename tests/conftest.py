@@ -23,6 +23,14 @@ import pytest
 REQUIRE_RIG = os.environ.get("KVCTL_REQUIRE_RIG") == "1"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so fixtures tear clusters down."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 @dataclass
 class Result:
     rc: int
