@@ -541,10 +541,29 @@ class ClusterVerifier:
             decode_output=dec.text, baseline_output=base.text,
             prefill_latency_s=pre.result.latency_s, decode_latency_s=dec.latency_s,
             baseline_latency_s=base.latency_s,
-            # D's line counts what it loaded; P's says bytes=0 when the entry already existed
-            transfer_bytes=skip.bytes if skip else (send.bytes if send else None),
+            transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None)
+
+
+def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLine | None, store: Path,
+                   key: str) -> int | None:
+    """Bytes of this prompt's KV that travelled.
+
+    D's skip line sums every prompt of its step (several when requests batch);
+    P's send line says bytes=0 when the entry already existed; the entry's own
+    data size settles both cases.
+    """
+    if skip is None:
+        return send.bytes if send else None
+    if len(skip.keys) == 1:
+        return skip.bytes
+    if send and send.bytes:
+        return send.bytes
+    try:
+        return parse_header(entry_path(store, key)).data_len
+    except (EntryCorrupt, OSError):
+        return None  # evicted since: unknown, rather than the whole batch's bytes
 
 
 def check_prompts(prompts: Iterable[str]) -> list[str]:

@@ -1,4 +1,4 @@
-"""`kvctl inspect-store` and `kvctl store check`: read and check the FS KV store."""
+"""`kvctl inspect-store`, `kvctl store check` and `kvctl store prune`: read, check and trim the FS KV store."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from kvctl.errors import ExitCode
+from connectors.eviction import EvictionReport, evict, store_lock
+from kvctl.errors import BadInput, ExitCode, RuntimeFailure
 from kvctl.render import Output
 from kvctl.store_inspect import (
     TEMP_GRACE_S,
@@ -31,6 +32,7 @@ JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout."
 def register(app: typer.Typer) -> None:
     app.command("inspect-store")(inspect_store_cmd)
     store_app.command("check")(check_cmd)
+    store_app.command("prune")(prune_cmd)
     app.add_typer(store_app, name="store")
 
 
@@ -86,6 +88,41 @@ def check_cmd(
         out.stdout.print(verdict)
     if after.problems:
         raise typer.Exit(int(ExitCode.CHECK_FAILED))
+
+
+def prune_cmd(
+    directory: Optional[str] = DIR_ARG,
+    name: Optional[str] = NAME_OPT,
+    max_bytes: Optional[int] = typer.Option(
+        None, "--max-bytes", min=0, help="Evict least recently used entries until the store holds at most this "
+                                         "many bytes (0 empties it)."),
+    older_than: Optional[float] = typer.Option(
+        None, "--older-than", min=0, metavar="SECONDS",
+        help="Evict entries not used (published or loaded) for more than this many seconds."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Evict entries the way a bounded FSConnector does: expired first, then least recently used.
+
+    Holds the store's lock, so it is safe while producers publish; a consumer
+    that loses an entry recomputes it.
+    """
+    out = Output(json_mode=json_out)
+    if max_bytes is None and older_than is None:
+        raise BadInput("nothing to prune by", where="--max-bytes / --older-than",
+                       fix="pass --max-bytes BYTES, --older-than SECONDS, or both")
+    root = resolve_store_dir(directory, name)
+    try:
+        with store_lock(root):
+            report = evict(root, max_bytes=max_bytes, ttl_seconds=older_than)
+    except OSError as e:
+        raise RuntimeFailure(f"cannot prune the store: {e.strerror or e}", where=str(root),
+                             fix="run as a user who may write the store directory") from None
+    if json_out:
+        out.emit_json({"root": str(root), "max_bytes": max_bytes, "older_than_s": older_than,
+                       "removed": report.removed, "num_removed": len(report.removed),
+                       "freed_bytes": report.freed_bytes, "total_bytes": report.total_bytes})
+    else:
+        render_prune(report, out)
 
 
 # ---------------------------------------------------------------- rendering
@@ -145,3 +182,9 @@ def render_fix(fixed: FixResult, out: Output) -> None:
         out.stdout.print(f"[green]removed[/green] {escape(path.name)}: {escape(reason)}", highlight=False)
     for path, reason in fixed.kept:
         out.stdout.print(f"[dim]kept[/dim] {escape(path.name)}: {escape(reason)}", highlight=False)
+
+
+def render_prune(report: EvictionReport, out: Output) -> None:
+    n = len(report.removed)
+    out.stdout.print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({_size(report.freed_bytes)}); "
+                     f"{_size(report.total_bytes)} of entries left", highlight=False)

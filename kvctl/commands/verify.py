@@ -14,6 +14,7 @@ from rich.text import Text
 
 from kvctl.errors import BadInput, ExitCode
 from kvctl.junit import write_verify_junit
+from kvctl.load import LoadReport, generate_prompts, run_load
 from kvctl.render import Output
 from kvctl.verify import (CHECKS, DEFAULT_MAX_TOKENS, DEFAULT_PROMPTS, VerifyReport, check_prompts,
                           load_cluster_info, load_prompts_file, verify_cluster)
@@ -29,6 +30,10 @@ def verify(
     prompts_file: Optional[Path] = typer.Option(
         None, "--prompts", help="File of prompts: a JSON list of strings, or one per line."),
     max_tokens: int = typer.Option(DEFAULT_MAX_TOKENS, "--max-tokens", help="Tokens D (and the baseline) generate."),
+    concurrency: int = typer.Option(1, "--concurrency", min=1, help="Clients sending requests at once (load mode "
+                                                                    "when > 1)."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Generate this many distinct prompts "
+                                                                           "(load mode)."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
     junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Also write JUnit XML here."),
 ) -> None:
@@ -36,12 +41,21 @@ def verify(
 
     Per prompt: tokenize on P, P with max_tokens=1, D with --max-tokens, and a
     baseline (P with --max-tokens). Exit 0 if every check passes, 1 if any fails.
+    Load mode (--requests N and/or --concurrency C > 1): C clients at once, a
+    failed request is counted instead of stopping the run, and the report adds
+    throughput, p50/p99 latency of P and D, transfer bytes and every mismatch.
     """
     out = Output(json_mode=json_out)
     if prompt and prompts_file:
         raise BadInput("--prompt and --prompts both given", where="--prompt / --prompts",
                        fix="pass prompts one way: repeated --prompt TEXT, or --prompts FILE")
-    if prompts_file is not None:
+    if requests is not None and (prompt or prompts_file):
+        raise BadInput("--requests generates its prompts; --prompt/--prompts give them",
+                       where="--requests / --prompt / --prompts", fix="drop one of them")
+    load_mode = requests is not None or concurrency > 1
+    if requests is not None:
+        prompts = generate_prompts(requests)
+    elif prompts_file is not None:
         prompts = load_prompts_file(prompts_file)
     elif prompt:
         prompts = check_prompts(prompt)
@@ -59,17 +73,23 @@ def verify(
             else:
                 bar.update(task, description=f"{name}: request {i + 1}/{total} {stage}")
 
-        report = verify_cluster(info, prompts, max_tokens, progress)
+        if load_mode:
+            result = run_load(info, prompts, max_tokens, concurrency, progress)
+            report = result.verify
+        else:
+            result = report = verify_cluster(info, prompts, max_tokens, progress)
 
     if junit_xml is not None:
         write_verify_junit(report, junit_xml)
     if json_out:
-        out.emit_json(report.to_json())
+        out.emit_json(result.to_json())
+    elif isinstance(result, LoadReport):
+        render_load(result, out.stdout)
     else:
         render_report(report, out.stdout)
-        if junit_xml is not None:
-            out.info(f"JUnit XML written to {junit_xml}")
-    if not report.passed:
+    if not json_out and junit_xml is not None:
+        out.info(f"JUnit XML written to {junit_xml}")
+    if not result.passed:
         raise typer.Exit(int(ExitCode.CHECK_FAILED))
 
 
@@ -110,3 +130,34 @@ def render_report(report: VerifyReport, console: Console) -> None:
 
 def _secs(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
+
+
+def render_load(result: LoadReport, console: Console) -> None:
+    """The load figures, then the evidence of every failed check (each mismatch, each error)."""
+    load = result.load.to_json()
+    table = Table(title=f"kvctl verify (load): cluster {result.verify.cluster}", title_justify="left",
+                  box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False, show_header=False)
+    table.add_column("what")
+    table.add_column("value", justify="right")
+    p, d = load["prefill_latency_s"], load["decode_latency_s"]
+    rows = (
+        ("requests / concurrency", f"{load['requests']} / {load['concurrency']}"),
+        ("completed, errors", f"{load['completed']}, {load['num_errors']}"),
+        ("wall time", f"{load['wall_s']:.1f} s"),
+        ("throughput", f"{load['throughput_rps']:.2f} req/s ({load['prompt_tokens_per_s']:.0f} prompt tok/s)"),
+        ("P latency p50 / p99", f"{_secs(p['p50'])} / {_secs(p['p99'])} s"),
+        (f"D latency p50 / p99 ({result.verify.max_tokens} tokens)", f"{_secs(d['p50'])} / {_secs(d['p99'])} s"),
+        ("KV bytes transferred", f"{load['transfer_bytes']:,}"),
+        ("mismatches", str(load["num_mismatches"])),
+    )
+    for what, value in rows:
+        table.add_row(what, value)
+    console.print(table)
+    for i, r in enumerate(result.verify.requests):
+        for c in r.checks:
+            if not c.passed:
+                console.print(Text.assemble((f"✗ request {i + 1} {c.name}: ", "bold red"), c.evidence))
+    failed = sum(load["failed_checks"].values())
+    verdict = (Text("PASSED", style="bold green") if result.passed
+               else Text(f"FAILED ({failed} failed checks)", style="bold red"))
+    console.print(Text.assemble(verdict, f"  baseline: {result.verify.baseline}"))

@@ -1,0 +1,163 @@
+"""Load mode of `kvctl verify`: many distinct prompts through P then D, concurrently.
+
+Every request goes through kvctl.verify's per-request steps (P max_tokens=1,
+entry check, D, baseline) and is checked against its own baseline; this
+module only generates the prompts, runs C clients at once, keeps going when
+one request fails, and summarises: throughput, p50/p99 latency of P and D,
+bytes transferred, and every mismatch and error. Library code: nothing here
+prints; it returns a LoadReport or raises KvctlError.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from kvctl.errors import BadInput, KvctlError
+from kvctl.verify import (DEFAULT_MAX_TOKENS, LOG_WAIT_S, CheckResult, ClusterInfo, ClusterVerifier, Progress,
+                          RequestReport, VerifyReport, check_prompts, cluster_info)
+
+ERROR_CHECK = "request_completed"  # the check a request that raised fails (HTTP error, dead server)
+_SUBJECTS = ("the lighthouse keeper", "a river barge", "the night train", "an old orchard",
+             "the harbour crane", "a mountain hut", "the tram depot", "a glass workshop")
+_ASKS = ("Describe its morning in two sentences.", "What does it sound like at noon?",
+         "List three things that could go wrong there.", "Tell a short story set there.",
+         "Explain how it changed over a hundred years.")
+_FILLER = ("The weather was mild and the air smelled of salt and rain.",
+           "Nobody remembered who had painted the door that shade of green.",
+           "Every evening the same bell rang twice, then fell silent.")
+
+
+def generate_prompts(n: int) -> list[str]:
+    """`n` distinct prompts of varied length (about 20 to 90 tokens), the same on every run."""
+    if n < 1:
+        raise BadInput(f"requests must be at least 1, got {n}", where="--requests", fix="pass --requests 100")
+    prompts = []
+    for i in range(n):
+        filler = " ".join(_FILLER[(i + k) % len(_FILLER)] for k in range(i % 4))
+        prompts.append(f"Request {i + 1}: about {_SUBJECTS[i % len(_SUBJECTS)]}. {filler} "
+                       f"{_ASKS[(i // len(_SUBJECTS)) % len(_ASKS)]}".replace("  ", " "))
+    return prompts
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile (p in 0..100); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(p / 100 * len(ordered)) - 1)]
+
+
+@dataclass
+class LoadStats:
+    requests: int
+    concurrency: int
+    wall_s: float
+    errors: list[dict] = field(default_factory=list)  # requests that raised
+    mismatches: list[dict] = field(default_factory=list)  # D's output differs from the baseline
+    failed_checks: dict[str, int] = field(default_factory=dict)  # check name -> failures
+    prefill_latency_s: list[float] = field(default_factory=list)
+    decode_latency_s: list[float] = field(default_factory=list)
+    transfer_bytes: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def completed(self) -> int:
+        return self.requests - len(self.errors)
+
+    def to_json(self) -> dict[str, Any]:
+        def r(v: float | None, nd: int = 4) -> float | None:
+            return None if v is None else round(v, nd)
+
+        p, d = self.prefill_latency_s, self.decode_latency_s
+        wall = self.wall_s or float("inf")
+        return {
+            "requests": self.requests, "concurrency": self.concurrency, "completed": self.completed,
+            "wall_s": r(self.wall_s, 3),
+            "throughput_rps": r(self.completed / wall, 3),
+            "prompt_tokens_per_s": r(self.prompt_tokens / wall, 1),
+            "prefill_latency_s": {"p50": r(percentile(p, 50)), "p99": r(percentile(p, 99)),
+                                  "max": r(max(p, default=None))},
+            "decode_latency_s": {"p50": r(percentile(d, 50)), "p99": r(percentile(d, 99)),
+                                 "max": r(max(d, default=None))},
+            "transfer_bytes": self.transfer_bytes,
+            "num_mismatches": len(self.mismatches), "mismatches": self.mismatches,
+            "num_errors": len(self.errors), "errors": self.errors,
+            "failed_checks": self.failed_checks,
+        }
+
+
+@dataclass
+class LoadReport:
+    verify: VerifyReport
+    load: LoadStats
+
+    @property
+    def passed(self) -> bool:
+        return self.verify.passed and not self.load.errors
+
+    def to_json(self) -> dict[str, Any]:
+        """The verify report's JSON (same contract) plus a "load" object."""
+        return {**self.verify.to_json(), "passed": self.passed, "load": self.load.to_json()}
+
+
+def summarise(report: VerifyReport, concurrency: int, wall_s: float) -> LoadStats:
+    """The load figures of a finished run. Pure."""
+    stats = LoadStats(requests=len(report.requests), concurrency=concurrency, wall_s=wall_s)
+    for i, req in enumerate(report.requests):
+        for check in req.checks:
+            if check.passed:
+                continue
+            stats.failed_checks[check.name] = stats.failed_checks.get(check.name, 0) + 1
+            item = {"request": i, "key": req.key or None, "prompt": req.prompt, "evidence": check.evidence}
+            if check.name == ERROR_CHECK:
+                stats.errors.append(item)
+            elif check.name == "output_matches_baseline":
+                stats.mismatches.append(item)
+        if req.check(ERROR_CHECK):
+            continue  # no latencies: the request did not finish
+        stats.prompt_tokens += req.prompt_tokens
+        stats.transfer_bytes += req.transfer_bytes or 0
+        if req.prefill_latency_s is not None:
+            stats.prefill_latency_s.append(req.prefill_latency_s)
+        if req.decode_latency_s is not None:
+            stats.decode_latency_s.append(req.decode_latency_s)
+    return stats
+
+
+def run_load(state: Any, prompts: Sequence[str], max_tokens: int = DEFAULT_MAX_TOKENS, concurrency: int = 8,
+             progress: Progress | None = None, *, log_wait_s: float = LOG_WAIT_S) -> LoadReport:
+    """Verify every prompt with `concurrency` clients at once; a request that fails is recorded, not fatal.
+
+    Raises BadInput for empty prompts, max_tokens < 1 or concurrency < 1.
+    """
+    info = state if isinstance(state, ClusterInfo) else cluster_info(state)
+    prompts = check_prompts(prompts)
+    if max_tokens < 1:
+        raise BadInput(f"max tokens must be at least 1, got {max_tokens}", where="--max-tokens",
+                       fix="pass --max-tokens 16 (or any K >= 1)")
+    if concurrency < 1:
+        raise BadInput(f"concurrency must be at least 1, got {concurrency}", where="--concurrency",
+                       fix="pass --concurrency 8")
+    total = len(prompts)
+    report = progress or (lambda i, n, s: None)
+
+    with ClusterVerifier(info, log_wait_s=log_wait_s) as verifier:
+        def one(i: int) -> RequestReport:
+            try:
+                result = verifier.verify_prompt(prompts[i], max_tokens, lambda s: report(i, total, s))
+            except KvctlError as e:  # HTTP error or unreachable server: count it and go on
+                result = RequestReport(prompt=prompts[i], prompt_tokens=0, key="",
+                                       checks=[CheckResult(ERROR_CHECK, False, e.message.replace("\n", "; "))])
+            report(i, total, "done")
+            return result
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            requests = list(pool.map(one, range(total)))
+        wall = time.perf_counter() - start
+    verify = VerifyReport(cluster=info.name, requests=requests, max_tokens=max_tokens)
+    return LoadReport(verify, summarise(verify, concurrency, wall))
