@@ -91,7 +91,7 @@ def evict(root: Path | str, *, max_bytes: int | None = None, ttl_seconds: float 
 
 
 class BoundedPublish:
-    """`before_publish` hook for store_format.write_entry: lock, make room, then rename."""
+    """The PublishGuard of a bounded store (see store_format.write_entry)."""
 
     def __init__(self, root: Path | str, max_bytes: int | None, ttl_seconds: float | None):
         self.root = Path(root)
@@ -99,11 +99,30 @@ class BoundedPublish:
         self.ttl_seconds = ttl_seconds
         self.last_report: EvictionReport | None = None
 
+    def before_write(self, nbytes: int) -> None:
+        """Make room before writing, so the temp file fits under the bound too."""
+        self._check_size(nbytes)
+        with store_lock(self.root):
+            self._evict(nbytes)
+
     @contextlib.contextmanager
-    def __call__(self, nbytes: int) -> Iterator[None]:
+    def publishing(self, nbytes: int) -> Iterator[None]:
+        """Held around the rename: room is made and the entry published under one lock."""
+        with store_lock(self.root):
+            self._evict(nbytes)
+            yield
+
+    def free(self, nbytes: int) -> EvictionReport:
+        """Evict least recently used entries until `nbytes` were freed (the disk was full)."""
+        with store_lock(self.root):
+            total = sum(size for _, size, _ in published_entries(self.root))
+            self.last_report = evict(self.root, max_bytes=max(0, total - nbytes))
+        return self.last_report
+
+    def _evict(self, incoming: int) -> None:
+        self.last_report = evict(self.root, max_bytes=self.max_bytes,
+                                 ttl_seconds=self.ttl_seconds, incoming=incoming)
+
+    def _check_size(self, nbytes: int) -> None:
         if self.max_bytes is not None and nbytes > self.max_bytes:
             raise EntryTooLarge(f"entry of {nbytes} bytes exceeds max_bytes={self.max_bytes}")
-        with store_lock(self.root):
-            self.last_report = evict(self.root, max_bytes=self.max_bytes,
-                                     ttl_seconds=self.ttl_seconds, incoming=nbytes)
-            yield

@@ -190,6 +190,7 @@ class FSConnector(KVConnectorBase):
             except FileNotFoundError:
                 return self._redo(model_input, f"miss key={key} tokens={len(tokens)}")
             except fmt.EntryCorrupt as e:
+                self._remove_corrupt(e.path)
                 return self._redo(model_input, f"corrupt key={key}: {e.reason}")
             except TokenMismatch as e:
                 return self._redo(model_input, f"token mismatch key={key}: {e}")
@@ -211,6 +212,18 @@ class FSConnector(KVConnectorBase):
                     last, sum(e.num_bytes for _, e in loaded),
                     (time.perf_counter() - start) * 1e3)
         return hidden, True, model_input
+
+    def _remove_corrupt(self, path: Path) -> None:
+        """Delete an entry that can never be served, so the producer publishes it again.
+
+        (A producer that finds the name taken would otherwise keep reporting
+        it as stored.) Best effort: a read-only mount just keeps recomputing.
+        """
+        try:
+            path.unlink()
+            logger.warning("[rank%d]: removed corrupt entry %s", self.rank, path.name)
+        except OSError:
+            pass
 
     def _redo(self, model_input, reason: str):
         logger.info(REDO_LINE + " reason=%s", self.rank, reason)

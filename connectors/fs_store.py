@@ -7,6 +7,7 @@ memory the KV and hidden-state tensors then view.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import time
@@ -72,7 +73,7 @@ class FSStore:
         self.root = Path(root)
         self.fsync = fsync
         bounded = max_bytes is not None or ttl_seconds is not None
-        self.publish_hook = BoundedPublish(self.root, max_bytes, ttl_seconds) if bounded else None
+        self.guard = BoundedPublish(self.root, max_bytes, ttl_seconds) if bounded else None
 
     def key_for(self, identity: fmt.KVIdentity, token_ids: Sequence[int]) -> str:
         return fmt.compute_key(identity, token_ids)
@@ -93,10 +94,21 @@ class FSStore:
             raise ValueError(f"kv shape {list(kv.shape)} != identity's {list(expected)}")
         blobs = {"token_ids": _blob(tokens), "kv": _blob(kv), "hidden": _blob(hidden)}
         key = fmt.key_from_token_bytes(identity, blobs["token_ids"].data)
-        path = fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync,
-                               before_publish=self.publish_hook)
         size = sum(b.nbytes for b in blobs.values())
+        try:
+            path = self._write(key, identity, blobs)
+        except OSError as e:
+            # A bounded store may evict its way out of a full disk (the bound
+            # can be above the real free space); an unbounded one never deletes.
+            if e.errno != errno.ENOSPC or self.guard is None or not self.guard.free(2 * size).removed:
+                raise
+            logger.warning("store %s: disk full, evicted %d LRU entries and retried",
+                           self.root, len(self.guard.last_report.removed))
+            path = self._write(key, identity, blobs)
         return SaveResult(key, path, size, time.perf_counter() - start)
+
+    def _write(self, key: str, identity: fmt.KVIdentity, blobs: dict[str, fmt.TensorBlob]) -> Path:
+        return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard)
 
     def load(self, identity: fmt.KVIdentity, token_ids: Sequence[int],
              device: torch.device | str = "cpu") -> LoadedEntry:

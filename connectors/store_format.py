@@ -45,7 +45,7 @@ import time
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Callable, ContextManager, Iterable, Sequence
+from typing import BinaryIO, ContextManager, Iterable, Protocol, Sequence
 
 import xxhash
 
@@ -191,21 +191,31 @@ def build_header(identity: KVIdentity, blobs: dict[str, TensorBlob], data_checks
     return raw
 
 
+class PublishGuard(Protocol):
+    """Hooks a bounded store puts around a write (connectors.eviction.BoundedPublish)."""
+
+    def before_write(self, nbytes: int) -> None: ...
+
+    def publishing(self, nbytes: int) -> ContextManager[object]: ...
+
+
 def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[str, TensorBlob],
-                *, fsync: bool = True,
-                before_publish: Callable[[int], ContextManager[object]] | None = None) -> Path:
+                *, fsync: bool = True, guard: PublishGuard | None = None) -> Path:
     """Publish an entry atomically; returns its final path.
 
-    The entry is written and fsync'ed under a temp name first. If given,
-    `before_publish(nbytes)` is entered around the rename (the bounded store
-    uses it to lock the directory and make room). Raises OSError (ENOSPC,
-    EIO, ...) or what `before_publish` raises, after removing the temp file;
-    a partial entry is never visible under the final name.
+    The entry is written and fsync'ed under a temp name first, then renamed.
+    A `guard` is told the entry's exact size before the write and is entered
+    around the rename (a bounded store locks the directory and makes room).
+    Raises OSError (ENOSPC, EIO, ...) or what the guard raises, after
+    removing the temp file; a partial entry is never visible under the final name.
     """
     root = Path(root)
     ordered = [memoryview(blobs[n].data).cast("B") for n in TENSOR_ORDER]
     header = build_header(identity, blobs, checksum(ordered))
     final = entry_path(root, key)
+    size = 8 + len(header) + sum(buf.nbytes for buf in ordered)
+    if guard is not None:
+        guard.before_write(size)
     tmp = root / f".{key}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
     try:
         with open(tmp, "wb") as f:
@@ -216,8 +226,7 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())
-            size = f.tell()
-        with before_publish(size) if before_publish else contextlib.nullcontext():
+        with guard.publishing(size) if guard is not None else contextlib.nullcontext():
             os.replace(tmp, final)
     except BaseException:
         try:

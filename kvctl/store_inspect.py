@@ -20,6 +20,7 @@ from connectors.store_format import (
     DTYPE_SIZES,
     ENTRY_SUFFIX,
     KEY_HEX_LEN,
+    LOCK_NAME,
     EntryCorrupt,
     EntryHeader,
     KVIdentity,
@@ -182,6 +183,8 @@ def inspect_store(root: Path | str, verify: bool = False, now: float | None = No
         except FileNotFoundError:
             continue  # evicted or replaced while we looked
         name = item.name
+        if name == LOCK_NAME:
+            continue  # the bounded store's publish lock: part of the format
         if is_temp_name(name):
             report.temp_files.append(StrayFile(item, st.st_size, now - st.st_mtime))
         elif _is_entry_name(name) and item.is_file():

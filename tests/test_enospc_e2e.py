@@ -26,6 +26,7 @@ import pytest
 from connectors import store_format as fmt
 from kvctl import markers
 from kvctl.client import user_messages
+from tmpfs import mounted_tmpfs
 from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
@@ -42,20 +43,8 @@ FAILURE_LOG_INTERVAL_S = 30.0  # FSConnector's burst window (connectors.fs_conne
 @pytest.fixture(scope="module")
 def full_disk(tmp_path_factory) -> Path:
     """A size-limited tmpfs, unmounted at module end whatever happened."""
-    mnt = tmp_path_factory.mktemp("enospc") / "store"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_SIZE}", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        why = f"cannot mount a tmpfs (need root or CAP_SYS_ADMIN): {proc.stderr.strip()}"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    try:
+    with mounted_tmpfs(tmp_path_factory.mktemp("enospc") / "store", TMPFS_SIZE) as mnt:
         yield mnt
-    finally:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -83,6 +83,21 @@ def test_evict_prune_by_age_and_size(tmp_path):
     assert report.removed == [paths[2].name] and paths[3].exists()
 
 
+def test_full_disk_below_the_bound_recovers_by_evicting_first(tmp_path):
+    """max_bytes above the real free space: eviction runs before the write, so saves keep working."""
+    from tmpfs import mounted_tmpfs
+
+    big = 1 << 20  # ~1 MiB entries on a 4 MiB disk, bound 8 MiB
+    with mounted_tmpfs(tmp_path / "disk", "4m") as disk:
+        store = FSStore(disk, fsync=False, max_bytes=8 << 20)
+        for seed in range(10):
+            g = torch.Generator().manual_seed(seed)
+            kv = torch.randn(2, 2, big // (2 * 2 * 2 * 32 * 4), 2, 32, generator=g)
+            ids = [seed * 100_000 + i for i in range(kv.shape[2])]
+            store.save(IDENT, ids, kv, torch.zeros(1, 64))
+            assert store.load(IDENT, ids).kv.equal(kv)
+
+
 # -- several processes on one directory --
 
 def _producer(root: str, first_seed: int, count: int, max_bytes: int) -> None:
