@@ -40,7 +40,7 @@ demo: rig
 
 test: rig-test-deps docker-ready
 	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_DOCKER=1 \
-	  "$$($(KVCTL) rig python)" -m pytest -n $(JOBS) -p no:cacheprovider $(PYTEST_ARGS) tests
+	  "$$($(KVCTL) rig python)" -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(PYTEST_ARGS) tests
 
 # Everything that needs neither vLLM servers nor docker.
 test-fast: rig-test-deps

@@ -56,6 +56,7 @@ def test_store_path_that_cannot_be_created_names_the_field(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("vllm")
 def test_real_server_stops_with_the_message(rig_python, tiny_model, tmp_path, vllm_slot):
     """A vLLM server started with FSConnector and prefix caching exits and says which flag to change."""
     env = {**os.environ, "VLLM_USE_V1": "0", "VLLM_HOST_IP": "127.0.0.1",

@@ -21,7 +21,7 @@ from kvctl import markers
 from kvctl.client import user_messages
 from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 
 TESTS_DIR = Path(__file__).resolve().parent
 PROBE_RE = re.compile(r"probe (?P<name>\w+) send: (?P<seen>.*)$", re.M)

@@ -26,7 +26,7 @@ from conftest import Kvctl, pid_alive
 from connectors.store_format import entry_path
 from kvctl.verify import CHECKS, ClusterVerifier, check_output_matches_baseline, check_store_entry_written, cluster_info
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 
 LAUNCH_TIMEOUT_S = 600
 VERIFY_TIMEOUT_S = 600
