@@ -31,6 +31,7 @@ from typing import Any
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
 from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
+from kvctl.runtime.docker import DockerOptions
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class ClusterSpec:
     """A validated 1P1D cluster to launch (build it with `build_1p1d_spec`)."""
 
     name: str
-    runtime: str  # concrete: "local" (docker later)
+    runtime: str  # concrete: "local" | "docker"
     model: Path  # absolute HF model dir
     served_model_name: str
     dtype: str
@@ -78,6 +79,7 @@ class ClusterSpec:
     block_size: int = BLOCK_SIZE
     max_model_len: int = MAX_MODEL_LEN
     timeout_s: float = DEFAULT_TIMEOUT_S
+    docker: DockerOptions | None = None  # image, GPUs, bind address, engines (docker runtime only)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -340,13 +342,18 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                     prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
                     prefill_env: Mapping[str, str] | None = None,
                     decode_env: Mapping[str, str] | None = None,
-                    worker_cls: str | None = DEFAULT_WORKER_CLS) -> ClusterSpec:
+                    worker_cls: str | None = DEFAULT_WORKER_CLS,
+                    docker: DockerOptions | None = None) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     Raises BadInput naming the field for: a bad name, a missing model dir, an
-    invalid config, a port in use, equal ports, a non-positive timeout.
+    invalid config, a port in use, equal ports, a non-positive timeout, docker
+    options for another runtime.
     """
     validate_cluster_name(name)
+    if docker is not None and runtime != "docker":
+        raise BadInput(f"--image, --gpus, --bind and the docker hosts need --runtime docker, "
+                       f"not {runtime}", where="--runtime", fix="add --runtime docker, or drop them")
     if timeout_s <= 0:
         raise BadInput(f"timeout must be positive, got {timeout_s}", where="--timeout",
                        fix="pass seconds, e.g. --timeout 300")
@@ -384,4 +391,4 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                          dict(prefill_env or {})),
         decode=RoleSpec(configs["decode"], decode_port, d_bind, tuple(decode_args),
                         dict(decode_env or {})),
-        worker_cls=worker_cls, timeout_s=timeout_s)
+        worker_cls=worker_cls, timeout_s=timeout_s, docker=docker)

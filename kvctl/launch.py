@@ -295,14 +295,17 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
     times out during start-up; KeyboardInterrupt on Ctrl-C, SIGTERM or SIGHUP.
     On every failure everything started is stopped and the state removed.
     """
-    runtime = get_runtime(spec.runtime)
-    runtime.check()  # e.g. the rig is installed: fail before touching anything
+    runtime = get_runtime(spec.runtime, spec)
+    runtime.check()  # e.g. the rig is installed, the image exists: fail before touching anything
     cdir = cluster_dir(spec.name)
     started: dict[str, Instance] = {}
     made_store = not spec.store.exists()
 
     def cleanup() -> None:
         _stop_all(started)
+        leftovers = getattr(runtime, "remove_leftovers", None)  # docker: a container made
+        if leftovers is not None:                               # but not yet recorded
+            leftovers(spec.name)
         remove_state(spec.name)
         if made_store and spec.store.is_dir() and not any(spec.store.iterdir()):
             spec.store.rmdir()

@@ -27,6 +27,7 @@ from kvctl.cluster import (
 from kvctl.errors import BadInput, ExitCode
 from kvctl.render import Output
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
+from kvctl.runtime.docker import docker_options
 
 
 class Role(str, Enum):
@@ -101,11 +102,27 @@ def launch_1p1d_cmd(
     decode_env: list[str] = typer.Option([], "--decode-env", help="KEY=VALUE for D's environment (repeat)."),
     worker_cls: str = typer.Option(DEFAULT_WORKER_CLS, "--worker-cls",
                                    help="vLLM --worker-cls; 'auto' for vLLM's default (no KV hooks on CPU)."),
+    image: str | None = typer.Option(
+        None, "--image",
+        help="docker: the image (default: this checkout's cpu image; with --gpus, kvctl-gpu:latest)."),
+    gpus: str | None = typer.Option(
+        None, "--gpus", help="docker: GPUs of P and D as P,D, e.g. 0,1 (several: 0+1,2+3). "
+                             "Default 0,1 on a GPU image, none on the cpu image."),
+    bind: str | None = typer.Option(
+        None, "--bind", help="docker: host address ports are published on (default 127.0.0.1)."),
+    prefill_docker_host: str | None = typer.Option(
+        None, "--prefill-docker-host", help="docker: P's engine (unix://, tcp://, ssh://; default $DOCKER_HOST)."),
+    decode_docker_host: str | None = typer.Option(
+        None, "--decode-docker-host", help="docker: D's engine; on another host the store must be shared (NFS)."),
     json_: bool = typer.Option(False, "--json", help="Print the cluster state as JSON."),
 ) -> None:
     """Launch one prefill and one decode vLLM server sharing a KV store."""
     out = Output(json_mode=json_)
     chosen, why = select_runtime(runtime)
+    docker_given = any(v is not None for v in (image, gpus, bind, prefill_docker_host, decode_docker_host))
+    docker = (docker_options(image=image, gpus=gpus, bind=bind, prefill_host=prefill_docker_host,
+                             decode_host=decode_docker_host)
+              if chosen == "docker" or docker_given else None)
     spec = build_1p1d_spec(
         name=name, runtime=chosen, model=model, served_model_name=served_model_name,
         prefill_config=parse_config_option(prefill_config, "--prefill-config"),
@@ -114,7 +131,7 @@ def launch_1p1d_cmd(
         prefill_args=tuple(prefill_arg), decode_args=tuple(decode_arg),
         prefill_env=parse_env_items(prefill_env, "--prefill-env"),
         decode_env=parse_env_items(decode_env, "--decode-env"),
-        worker_cls=None if worker_cls in ("auto", "") else worker_cls)
+        worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker)
     out.info(f"runtime: [bold]{chosen}[/bold] ({why}); model {spec.model}; store {spec.store}")
     try:
         with _LaunchDisplay(out) as display:

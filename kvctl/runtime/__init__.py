@@ -1,10 +1,13 @@
-"""Runtimes that start vLLM servers: `local` (processes) and, later, `docker`.
+"""Runtimes that start vLLM servers: `local` (processes) and `docker` (containers).
 
 `select_runtime` is the one place that resolves `--runtime local|docker|auto`;
-`get_runtime` builds the chosen one. The docker runtime plugs in here.
+`get_runtime` builds the chosen one. The docker runtime (and its SDK) is
+imported only when chosen: kvctl runs without the docker SDK installed.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from kvctl.errors import BadInput
 from kvctl.runtime.base import (
@@ -31,19 +34,23 @@ def select_runtime(requested: str) -> tuple[str, str]:
     if requested == "local":
         return "local", "requested with --runtime local"
     if requested == "docker":
-        raise BadInput("the docker runtime is not available yet in this kvctl",
-                       where="--runtime docker",
-                       fix="use --runtime local (vLLM CPU processes from the rig)")
+        return "docker", "requested with --runtime docker"
     if requested == "auto":
-        # Docker+GPU will be preferred here once the docker runtime exists.
-        return "local", "auto: the docker runtime is not available yet, so local CPU processes"
+        return "local", "auto: local CPU processes (--runtime docker runs containers)"
     raise BadInput(f"unknown runtime {requested!r}", where="--runtime",
                    fix=f"use one of: {', '.join(RUNTIME_CHOICES)}")
 
 
-def get_runtime(name: str) -> Runtime:
-    """The runtime object for a concrete name stored in cluster.json."""
+def get_runtime(name: str, cluster: Any = None) -> Runtime:
+    """The runtime object for a concrete name stored in cluster.json.
+
+    `cluster` (a ClusterSpec, when launching) carries the docker options and store.
+    """
     if name == "local":
         return LocalRuntime()
+    if name == "docker":
+        from kvctl.runtime.docker import DockerRuntime
+
+        return DockerRuntime.for_cluster(cluster) if cluster is not None else DockerRuntime()
     raise BadInput(f"runtime {name!r} is not available in this kvctl", where="runtime",
                    fix="use a kvctl version that supports it, or --runtime local")

@@ -1,0 +1,438 @@
+"""Image builds: a local Debian base, the CPU image and the GPU image.
+
+Every tag is a hash of everything that goes into the image, so a build with
+unchanged inputs finds its tag and returns at once, and an edited input never
+reuses a stale image:
+
+    kvctl-base:<h>  mmdebstrap rootfs (the host's Debian suite and apt sources,
+                    BASE_PACKAGES) → `docker import`; no registry involved
+    kvctl-cpu:<h>   docker/Dockerfile.cpu FROM kvctl-base: the rig recipe of
+                    kvctl/rig.py with its pins, plus this project
+    kvctl-gpu:<h>   docker/Dockerfile.gpu FROM --base-image (default the official
+                    vLLM 0.9.2 image; its image id is part of the hash)
+
+The build context is made here, holding only what goes in (see the
+Dockerfiles' headers), and sent through the docker SDK to the engine that
+DOCKER_HOST names. Each build's full output goes to
+$KVCTL_HOME/images/<repo>-<h>.log; only the last KEEP_TAGS tags of a repo are
+kept. Builds run with a low CPU weight: this machine is shared.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import io
+import json
+import logging
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.paths import kvctl_home, project_root
+
+log = logging.getLogger(__name__)
+
+# ---- defaults, in one place ----------------------------------------------------
+REPOS = {"base": "kvctl-base", "cpu": "kvctl-cpu", "gpu": "kvctl-gpu"}
+DEFAULT_GPU_BASE = "vllm/vllm-openai:v0.9.2"
+# The base rootfs: what the rig needs to create a venv and run torch/vLLM CPU.
+BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libgomp1", "procps")
+PROJECT_PATHS = ("pyproject.toml", "README.md", "kvctl", "connectors")  # what src/ holds
+SKIP_PARTS = ("__pycache__", ".pytest_cache")  # never part of src/
+SKIP_SUFFIXES = (".pyc", ".pyo", ".so", ".egg-info")
+CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
+APT_SOURCES = ("/etc/apt/sources.list", "/etc/apt/sources.list.d")
+KEEP_TAGS = 3  # per repo: older kvctl-cpu:<h> tags are removed after a build
+BUILD_CPU_SHARES = 256  # the build containers' CPU weight (docker's default is 1024)
+OUTPUT_TAIL_LINES = 30  # lines of build output in an error's details
+# ---------------------------------------------------------------------------------
+
+Kind = Literal["cpu", "gpu"]
+KINDS = ("cpu", "gpu")
+
+
+@dataclass(frozen=True)
+class ImageEvent:
+    """One progress report: a build step, an output line, or the result."""
+
+    state: Literal["log", "cached", "start", "step", "output", "done"]
+    image: str  # the tag being built
+    note: str = ""
+
+
+Progress = Callable[[ImageEvent], None]
+
+
+@dataclass
+class ImageResult:
+    kind: str
+    tag: str
+    image_id: str
+    size_bytes: int
+    seconds: float
+    cached: bool  # True: the tag existed, nothing was built
+    base_image: str
+    log_path: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"seconds": round(self.seconds, 2)}
+
+
+# ---- what goes into each image (pure: files in, hashes out) ---------------------
+
+@dataclass(frozen=True)
+class BuildPlan:
+    kind: str
+    tag: str  # repo:<hash>
+    base_image: str
+    build_args: dict[str, str]
+    files: tuple[tuple[str, bytes], ...]  # (path in the context, content)
+
+    def context(self) -> io.BytesIO:
+        """The build context as an uncompressed tar, with fixed metadata (reproducible)."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name, data in self.files:
+                info = tarfile.TarInfo(name)
+                info.size, info.mode, info.mtime = len(data), 0o644, 0
+                tar.addfile(info, io.BytesIO(data))
+        buf.seek(0)
+        return buf
+
+
+def _digest(parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _files_digest(files: tuple[tuple[str, bytes], ...]) -> list[list[str]]:
+    return [[name, hashlib.sha256(data).hexdigest()] for name, data in files]
+
+
+def project_files(root: Path | None = None) -> list[tuple[str, bytes]]:
+    """This project's files for src/, sorted; caches and build outputs left out.
+
+    Raises BadInput when kvctl does not run from a source checkout.
+    """
+    root = root or project_root()
+    if not (root / "pyproject.toml").is_file():
+        raise BadInput(f"kvctl is not running from a source checkout ({root} has no pyproject.toml)",
+                       where=str(root), fix="run kvctl from its git checkout to build images")
+    found = []
+    for rel in PROJECT_PATHS:
+        path = root / rel
+        paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for p in paths:
+            parts = p.relative_to(root).parts
+            if any(s in parts for s in SKIP_PARTS) or p.name.startswith(".") \
+                    or any(part.endswith(SKIP_SUFFIXES) for part in parts):
+                continue
+            found.append(("src/" + "/".join(parts), p.read_bytes()))
+    return found
+
+
+def ca_bundle() -> bytes:
+    """The host's CA bundle: pip inside a build verifies TLS with it, as pip here does."""
+    for path in CA_BUNDLES:
+        if Path(path).is_file():
+            return Path(path).read_bytes()
+    raise BadInput("no CA bundle found on this host", where=", ".join(CA_BUNDLES),
+                   fix="install the ca-certificates package")
+
+
+def debian_release() -> tuple[str, str]:
+    """(suite, apt sources text) of this host, which the base rootfs reuses.
+
+    Raises BadInput when this host is not Debian-like (no codename or no sources).
+    """
+    osr = {}
+    try:
+        for line in Path("/etc/os-release").read_text().splitlines():
+            key, _, value = line.partition("=")
+            osr[key] = value.strip().strip('"')
+    except OSError:
+        pass
+    suite = osr.get("VERSION_CODENAME", "")
+    texts = []
+    main, extra = Path(APT_SOURCES[0]), Path(APT_SOURCES[1])
+    deb822 = sorted(extra.glob("*.sources")) if extra.is_dir() else []
+    if deb822:
+        texts = [p.read_text().strip() for p in deb822]
+    elif main.is_file():
+        texts = [main.read_text().strip()]
+    if not suite or not any(texts):
+        raise BadInput("cannot make the base image: this host has no Debian codename or apt sources",
+                       where="/etc/os-release, /etc/apt",
+                       fix="build the base on a Debian or Ubuntu host, or import a rootfs by hand "
+                           "as the kvctl-base tag `kvctl image build` names")
+    return suite, "\n\n".join(t for t in texts if t) + "\n"
+
+
+def base_tag() -> str:
+    suite, sources = debian_release()
+    return f"{REPOS['base']}:{_digest(['base', suite, sources, list(BASE_PACKAGES)])}"
+
+
+def rig_spec_json() -> bytes:
+    """The rig pins for the image: this host's spec, with the image's own python."""
+    from kvctl.rig import default_spec
+
+    spec = dataclasses.replace(default_spec(), python="")
+    return (json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n").encode()
+
+
+def _docker_file(name: str) -> bytes:
+    path = project_root() / "docker" / name
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise BadInput(f"cannot read {path}: {e.strerror}", where=str(path),
+                       fix="run kvctl from a complete source checkout") from None
+
+
+def plan_cpu() -> BuildPlan:
+    base = base_tag()
+    files = (("Dockerfile", _docker_file("Dockerfile.cpu")),
+             ("build/ca.crt", ca_bundle()),
+             ("build/rig-spec.json", rig_spec_json()),
+             ("build/rig-install.py", _docker_file("rig-install.py")),
+             *project_files())
+    args = {"BASE_IMAGE": base}
+    h = _digest(["cpu", args, _files_digest(files)])
+    return BuildPlan("cpu", f"{REPOS['cpu']}:{h}", base, args, files)
+
+
+def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str]) -> BuildPlan:
+    """The GPU build on `base_image` (whose id and labels the engine reported)."""
+    args = {"BASE_IMAGE": base_image, "PYTHON": base_labels.get("kvctl.python", "python3")}
+    if base_labels.get("kvctl.device") == "cpu":
+        # LMCache 0.3.2 pins torch 2.7.0; the CPU rig has 2.6.0. Test builds only.
+        args["LMCACHE_PIP_ARGS"] = "--no-deps"
+    files = (("Dockerfile", _docker_file("Dockerfile.gpu")),
+             ("build/ca.crt", ca_bundle()),
+             ("build/patch-vllm-lmcache.py", _docker_file("patch-vllm-lmcache.py")),
+             *project_files())
+    h = _digest(["gpu", args, base_id, _files_digest(files)])
+    return BuildPlan("gpu", f"{REPOS['gpu']}:{h}", base_image, args, files)
+
+
+def default_image(kind: str) -> str:
+    """The image `kvctl image build KIND` makes from this checkout with default options.
+
+    cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest,
+    which every GPU build moves (its hash needs the base image's id).
+    """
+    if kind == "gpu":
+        return f"{REPOS['gpu']}:latest"
+    return plan_cpu().tag
+
+
+# ---- talking to the engine -------------------------------------------------------
+
+def _image(client: Any, ref: str) -> Any | None:
+    import docker.errors
+
+    try:
+        return client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        return None
+
+
+class _BuildLog:
+    """The build's log file plus the tail kept for an error message."""
+
+    def __init__(self, path: Path, tag: str, emit: Progress):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.tag, self.emit = path, tag, emit
+        self.file = open(path, "a", buffering=1)
+        self.tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+
+    def line(self, text: str) -> None:
+        self.file.write(text + "\n")
+        self.tail.append(text)
+        state = "step" if text.startswith(("Step ", "rig [")) else "output"
+        self.emit(ImageEvent(state, self.tag, text))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _log_for(tag: str) -> Path:
+    return kvctl_home() / "images" / (tag.replace(":", "-").replace("/", "_") + ".log")
+
+
+def _build_base(client: Any, tag: str, emit: Progress) -> None:
+    """mmdebstrap a minimal rootfs of this host's suite into a tar, `docker import` it.
+
+    Raises BadInput when mmdebstrap is missing, RuntimeFailure when it fails.
+    """
+    suite, sources = debian_release()
+    blog = _BuildLog(_log_for(tag), tag, emit)
+    emit(ImageEvent("log", tag, str(blog.path)))
+    emit(ImageEvent("start", tag, f"mmdebstrap {suite} ({', '.join(BASE_PACKAGES)})"))
+    tmpdir = kvctl_home() / "images" / "tmp"
+    tmpdir.mkdir(parents=True, exist_ok=True)
+    try:
+        with tempfile.TemporaryDirectory(dir=tmpdir) as tmp:
+            rootfs = Path(tmp) / "rootfs.tar"
+            argv = ["nice", "-n", "10", "mmdebstrap", "--variant=minbase",
+                    "--include=" + ",".join(BASE_PACKAGES), suite, str(rootfs), "-"]
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, errors="replace")
+            except FileNotFoundError:
+                raise BadInput("mmdebstrap is not installed (it makes the base image without a "
+                               "registry)", where="PATH",
+                               fix="apt-get install mmdebstrap (scripts/ensure-docker.sh does it)") from None
+            try:
+                proc.stdin.write(sources)  # the host's apt sources, read from stdin ("-")
+                proc.stdin.close()
+                for line in proc.stdout:
+                    blog.line(line.rstrip("\n"))
+                rc = proc.wait()
+            finally:
+                if proc.poll() is None:  # interrupted: do not leave it running
+                    proc.kill()
+                    proc.wait()
+            if rc != 0:
+                raise RuntimeFailure(f"mmdebstrap exited with status {rc}", where=str(blog.path),
+                                     fix="read the output below (apt sources, network, disk space)",
+                                     details="\n".join(blog.tail))
+            blog.line(f"importing {rootfs.stat().st_size / 1e6:.0f} MB rootfs as {tag}")
+            repo, _, version = tag.partition(":")
+            client.api.import_image_from_file(
+                str(rootfs), repository=repo, tag=version,
+                changes=["ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                         "ENV LANG=C.UTF-8", 'CMD ["/bin/bash"]',
+                         f"LABEL kvctl.kind=base kvctl.suite={suite}"])
+    finally:
+        blog.close()
+    if _image(client, tag) is None:
+        raise RuntimeFailure(f"docker import did not create {tag}", where=str(blog.path),
+                             fix="check the engine's log and free disk space")
+
+
+def _build(client: Any, plan: BuildPlan, emit: Progress) -> None:
+    """Run the Dockerfile build of `plan`; raises RuntimeFailure with the output's tail."""
+    blog = _BuildLog(_log_for(plan.tag), plan.tag, emit)
+    emit(ImageEvent("log", plan.tag, str(blog.path)))
+    emit(ImageEvent("start", plan.tag, f"docker build FROM {plan.base_image}"))
+    h = plan.tag.partition(":")[2]
+    error = None
+    try:
+        stream = client.api.build(
+            fileobj=plan.context(), custom_context=True, tag=plan.tag, buildargs=plan.build_args,
+            rm=True, forcerm=True, decode=True, pull=False,
+            container_limits={"cpushares": BUILD_CPU_SHARES},
+            labels={"kvctl.kind": plan.kind, "kvctl.content-hash": h})
+        pending = ""
+        for chunk in stream:
+            if "error" in chunk:
+                error = str(chunk["error"]).strip()
+                break
+            pending += str(chunk.get("stream", ""))
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                if line.strip():
+                    blog.line(line.rstrip())
+        if pending.strip():
+            blog.line(pending.rstrip())
+    finally:
+        blog.close()
+    if error is not None or _image(client, plan.tag) is None:
+        raise RuntimeFailure(f"building {plan.tag} failed: {error or 'no image was produced'}",
+                             where=f"docker/Dockerfile.{plan.kind} (full log: {blog.path})",
+                             fix="read the build output below; fix the cause and build again "
+                                 "(finished layers are reused)",
+                             details="\n".join(blog.tail))
+
+
+def _prune(client: Any, repo: str, keep: str) -> None:
+    """Keep the KEEP_TAGS newest tags of `repo` (and :latest); untag the rest.
+
+    Images still used by a container, or as a parent, stay (the engine refuses).
+    """
+    import docker.errors
+
+    images = sorted(client.images.list(name=repo), key=lambda i: i.attrs.get("Created", ""),
+                    reverse=True)
+    tags = [t for img in images for t in img.tags if t.startswith(repo + ":")
+            and t not in (keep, f"{repo}:latest")]
+    for tag in tags[KEEP_TAGS - 1:]:
+        try:
+            client.images.remove(tag)
+            log.info("removed old image tag %s", tag)
+        except docker.errors.APIError as e:
+            log.debug("kept %s: %s", tag, e)
+
+
+def _result(client: Any, kind: str, tag: str, base: str, t0: float, cached: bool) -> ImageResult:
+    img = client.images.get(tag)
+    return ImageResult(kind=kind, tag=tag, image_id=img.id, size_bytes=int(img.attrs.get("Size", 0)),
+                       seconds=time.monotonic() - t0, cached=cached, base_image=base,
+                       log_path=str(_log_for(tag)))
+
+
+def _ensure_gpu_base(client: Any, ref: str, emit: Progress) -> Any:
+    import docker.errors
+
+    img = _image(client, ref)
+    if img is not None:
+        return img
+    emit(ImageEvent("start", ref, f"pulling {ref}"))
+    try:
+        return client.images.pull(ref)
+    except docker.errors.APIError as e:
+        raise BadInput(f"base image {ref} is not on the engine and could not be pulled: "
+                       f"{e.explanation or e}", where="--base-image",
+                       fix="pull it (or `docker load` it) on this engine first, or pass "
+                           "--base-image with a local image") from None
+
+
+def build_image(kind: str, base_image: str | None = None, progress: Progress | None = None,
+                client: Any = None) -> ImageResult:
+    """Build (or find) the `kind` image ("cpu" or "gpu") for this checkout.
+
+    cpu: builds kvctl-base first when missing; `base_image` must be None.
+    gpu: FROM `base_image` (default DEFAULT_GPU_BASE), pulled when missing.
+    Returns at once when the content tag exists. Raises BadInput (unknown kind,
+    no engine, missing tools or base image), RuntimeFailure (a build failed).
+    """
+    from kvctl.runtime.docker import connect
+
+    emit = progress or (lambda event: None)
+    if kind not in KINDS:
+        raise BadInput(f"unknown image kind {kind!r}", where="KIND", fix="use cpu or gpu")
+    if kind == "cpu" and base_image:
+        raise BadInput("--base-image is for the gpu image; the cpu image is always built on the "
+                       "local Debian base", where="--base-image", fix="drop --base-image")
+    client = client or connect(None, timeout=None)  # a build can be silent for minutes
+    t0 = time.monotonic()
+    if kind == "cpu":
+        plan = plan_cpu()
+        if _image(client, plan.tag) is None:
+            if _image(client, plan.base_image) is None:
+                _build_base(client, plan.base_image, emit)
+                emit(ImageEvent("done", plan.base_image, f"{time.monotonic() - t0:.0f} s"))
+    else:
+        base_ref = base_image or DEFAULT_GPU_BASE
+        base = _ensure_gpu_base(client, base_ref, emit)
+        plan = plan_gpu(base_ref, base.id, dict(base.labels or {}))
+    repo = REPOS[kind]
+    if _image(client, plan.tag) is not None:
+        emit(ImageEvent("cached", plan.tag, "already built from the same inputs"))
+        return _result(client, kind, plan.tag, plan.base_image, t0, cached=True)
+    _build(client, plan, emit)
+    client.images.get(plan.tag).tag(repo, "latest")
+    _prune(client, repo, plan.tag)
+    result = _result(client, kind, plan.tag, plan.base_image, t0, cached=False)
+    emit(ImageEvent("done", plan.tag, f"{result.seconds:.0f} s, {result.size_bytes / 1e9:.2f} GB"))
+    return result
+

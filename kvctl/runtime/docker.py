@@ -1,0 +1,630 @@
+"""DockerRuntime: each vLLM server in its own container, on one or two Docker engines.
+
+One container per role, made through the docker SDK (create → start), with
+- labels `kvctl.cluster`, `kvctl.role` and `kvctl.home` (our $KVCTL_HOME), by
+  which teardown finds leftovers, and a name unique per cluster dir;
+- the same server command as the local runtime (base.vllm_server_args and
+  vllm_server_env), run by the image's python (its `kvctl.python` label), with
+  the image's entrypoint reset and docker's init as PID 1 (SIGTERM reaches
+  the server; its children are reaped);
+- the model dir mounted read-only, and the shared store and every
+  fs_storage_path of the role's config read-write, all at their host paths
+  (relative ones resolved in the cluster dir, the containers' working dir as
+  the local servers' cwd), so configs, logs and verify's store reads are the
+  same as with the local runtime, and P and D share the same host dirs;
+- the server's port published on `bind` (127.0.0.1 by default), same number
+  inside and out; ipc=host, as vLLM's own docs run it;
+- on a GPU image (label `kvctl.device=gpu`) or with explicit `gpus`, one
+  DeviceRequest per role: the container sees NVIDIA_VISIBLE_DEVICES = its GPU.
+
+Logs: a follower process (`python -m kvctl.runtime.docker follow ...`),
+started detached after the container, appends `docker logs --follow` to the
+instance's log file, so log tails, markers, `kvctl logs` and verify read files
+exactly as with the local runtime, and the file keeps growing after `kvctl
+launch` exits. It ends when the container stops; `status()` of a stopped
+container waits briefly for it, so a start-up failure's log tail is complete.
+
+Engines are DOCKER_HOST-style URLs (unix://, tcp://, ssh://), one per role.
+On a remote engine the model and store must exist at the same paths (NFS for
+a store shared by two hosts), and ports must be published on a non-loopback
+address (`bind`), which is checked before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import ipaddress
+import logging
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.paths import kvctl_home
+from kvctl.runtime.base import (
+    ENTRYPOINT_MODULE,
+    ROLES,
+    InstanceSpec,
+    InstanceStatus,
+    StopResult,
+    follow_log,
+    vllm_server_args,
+    vllm_server_env,
+)
+from kvctl.runtime.local import group_members, process_start_ticks
+
+log = logging.getLogger(__name__)
+
+# ---- defaults ---------------------------------------------------------------------
+DEFAULT_SOCKET = "unix:///var/run/docker.sock"
+API_TIMEOUT_S = 60.0  # one engine API call (streams use no timeout)
+DEFAULT_BIND = "127.0.0.1"
+DEFAULT_GPUS = ("0", "1")  # prefill, decode: used on a GPU image when --gpus is not given
+FOLLOWER_DRAIN_S = 5.0  # after a container stops: wait this long for its log follower
+LOG_TAIL_LINES = 30  # container log lines shown with a start failure
+CPU_WORKER_PREFIX = "connectors.cpu_worker."  # CPU-only worker classes (dropped on GPU images)
+LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME = "kvctl.cluster", "kvctl.role", "kvctl.home"
+# -------------------------------------------------------------------------------------
+
+_GPU_RE = re.compile(r"^\d+(\+\d+)*$")
+_REMOTE_SCHEMES = ("tcp", "ssh", "http", "https")
+
+
+# ---- engines ----------------------------------------------------------------------
+
+def engine_url(host: str | None) -> str:
+    """The engine URL kvctl uses for `host` (None: $DOCKER_HOST, else the local socket)."""
+    return host or os.environ.get("DOCKER_HOST") or DEFAULT_SOCKET
+
+
+def _engine_hostname(url: str) -> str | None:
+    """The host name of a network engine URL; None for a local socket."""
+    parts = urlsplit(url)
+    if parts.scheme not in _REMOTE_SCHEMES:
+        return None
+    return parts.hostname
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def connect(host: str | None, timeout: float | None = API_TIMEOUT_S) -> Any:
+    """A docker SDK client for engine `host` that answered a ping.
+
+    Raises BadInput when the SDK is not installed or no engine answers.
+    """
+    try:
+        import docker
+    except ModuleNotFoundError:
+        raise BadInput("the docker runtime needs the Python docker SDK", where="python",
+                       fix="pip install 'kvctl[docker]'") from None
+    url = engine_url(host)
+    try:
+        client = docker.DockerClient(base_url=url, timeout=timeout,
+                                     use_ssh_client=url.startswith("ssh://"))
+        client.ping()
+    except docker.errors.DockerException as e:
+        raise BadInput(f"no Docker engine answers at {url}: {e}", where="DOCKER_HOST",
+                       fix="start dockerd (scripts/ensure-docker.sh does it on Debian), or point "
+                           "DOCKER_HOST / --prefill-docker-host / --decode-docker-host at a "
+                           "running engine") from None
+    return client
+
+
+# ---- options ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DockerOptions:
+    """The docker-only parts of a cluster spec."""
+
+    image: str | None = None  # None: the cpu image of this checkout (kvctl-gpu:latest with gpus)
+    gpus: tuple[str, str] | None = None  # device ids of P and D ("0", "0+1"); None: see DEFAULT_GPUS
+    bind: str = DEFAULT_BIND  # host address the servers' ports are published on
+    prefill_host: str | None = None  # engine URLs; None: $DOCKER_HOST or the local socket
+    decode_host: str | None = None
+
+    def host(self, role: str) -> str:
+        return engine_url(self.prefill_host if role == "prefill" else self.decode_host)
+
+
+def parse_gpus(value: str | list[str] | tuple[str, ...], option: str = "--gpus") -> tuple[str, str]:
+    """`P,D` (or a [P, D] list), each a device id or ids joined by '+': ("0", "1")."""
+    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
+    items = [i.strip() for i in items]
+    if len(items) != 2 or not all(_GPU_RE.match(i) for i in items):
+        raise BadInput(f"expected the GPUs of prefill and decode as P,D, got {value!r}", where=option,
+                       fix="e.g. --gpus 0,1 (several per role: --gpus 0+1,2+3)")
+    return items[0], items[1]
+
+
+def docker_options(*, image: str | None = None, gpus: str | list[str] | None = None,
+                   bind: str | None = None, prefill_host: str | None = None,
+                   decode_host: str | None = None) -> DockerOptions:
+    """Validated DockerOptions. Raises BadInput naming the option.
+
+    A network engine with a loopback `bind` is refused: the servers would be
+    reachable only on that other host.
+    """
+    bind = (bind or DEFAULT_BIND).strip()
+    try:
+        ipaddress.ip_address(bind)
+    except ValueError:
+        raise BadInput(f"--bind must be an IP address, got {bind!r}", where="--bind",
+                       fix="e.g. --bind 127.0.0.1 (this host only) or --bind 0.0.0.0") from None
+    opts = DockerOptions(image=image or None, gpus=parse_gpus(gpus) if gpus else None, bind=bind,
+                         prefill_host=prefill_host or None, decode_host=decode_host or None)
+    for role in ROLES:
+        remote = _engine_hostname(opts.host(role))
+        if remote and not _is_loopback(remote) and _is_loopback(bind):
+            raise BadInput(f"the {role} engine {opts.host(role)} is another host, but ports are "
+                           f"published on {bind}, its loopback", where=f"--bind, --{role}-docker-host",
+                           fix="pass --bind 0.0.0.0 (or that host's address)")
+    return opts
+
+
+def container_name(cluster: str, role: str, cluster_dir: Path) -> str:
+    """Unique per cluster dir: two KVCTL_HOMEs may both have a cluster `default`."""
+    digest = hashlib.sha256(str(cluster_dir).encode()).hexdigest()[:8]
+    return f"kvctl-{cluster}-{role}-{digest}"
+
+
+def _url_host(engine: str, bind: str) -> str:
+    remote = _engine_hostname(engine)
+    if bind not in ("0.0.0.0", "::"):
+        return bind if ":" not in bind else f"[{bind}]"
+    return remote or "127.0.0.1"
+
+
+def _daemon_error(e: Exception) -> str:
+    return str(getattr(e, "explanation", None) or e).strip()
+
+
+def _start_fix(error: str) -> str:
+    if "could not select device driver" in error:
+        return ("GPU requests need the NVIDIA Container Toolkit on the engine's host "
+                "(nvidia-container-runtime-hook on dockerd's PATH, then restart dockerd); "
+                "on a host without GPUs use the cpu image without --gpus")
+    if "already allocated" in error or "address already in use" in error:
+        return "a port is taken on the engine's host: pass free --prefill-port/--decode-port, or omit them"
+    if "bind source path does not exist" in error:
+        return "the model and store dirs must exist at the same paths on the engine's host"
+    return "read the engine's error below, correct the cause and launch again"
+
+
+# ---- the log follower (runs as its own process) ------------------------------------
+
+def follow_container(engine: str, container_id: str, log_path: Path) -> int:
+    """Append the container's output to `log_path` until it stops. Returns 0."""
+    import docker.errors
+
+    client = connect(engine, timeout=None)  # an idle server can be silent for hours
+    try:
+        container = client.containers.get(container_id)
+        with open(log_path, "ab", buffering=0) as f:
+            for chunk in container.logs(stream=True, follow=True):
+                f.write(chunk)
+            container.reload()
+            code = container.attrs["State"].get("ExitCode")
+            f.write(f"kvctl: container {container.name} stopped (exit code {code})\n".encode())
+    except docker.errors.NotFound:
+        pass  # removed: nothing more to copy
+    return 0
+
+
+def _spawn_follower(engine: str, container_id: str, log_path: Path) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "kvctl.runtime.docker", "follow", "--engine", engine,
+            "--container", container_id, "--log", str(log_path)]
+    with open(log_path, "ab") as errors:  # the follower's own failures land in the log too
+        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=errors, start_new_session=True, close_fds=True)
+
+
+# ---- instances --------------------------------------------------------------------
+
+class DockerInstance:
+    """A vLLM server container (and the follower copying its log) ."""
+
+    def __init__(self, role: str, url: str, log_path: Path, engine: str, container_id: str,
+                 name: str, image: str, follower_pid: int | None = None,
+                 follower_ticks: int | None = None, command: list[str] | None = None,
+                 labels: Mapping[str, str] | None = None,
+                 follower: subprocess.Popen | None = None):
+        self.role = role
+        self.url = url
+        self.log_path = log_path
+        self.engine = engine
+        self.container_id = container_id
+        self.name = name
+        self.image = image
+        self.follower_pid = follower_pid
+        self.follower_ticks = follower_ticks
+        self.command = command or []
+        self.labels = dict(labels or {})  # ours: cluster, role, home
+        self._follower = follower  # set only in the process that started it
+        self._client: Any = None
+
+    def __repr__(self) -> str:
+        return f"<DockerInstance {self.role} {self.name} on {self.engine} {self.url}>"
+
+    def client(self) -> Any:
+        if self._client is None:
+            self._client = connect(self.engine)
+        return self._client
+
+    def _container(self) -> Any | None:
+        import docker.errors
+
+        try:
+            return self.client().containers.get(self.container_id)
+        except docker.errors.NotFound:
+            return None
+
+    def _follower_alive(self) -> bool:
+        if self.follower_pid is None:
+            return False
+        if self._follower is not None:
+            return self._follower.poll() is None
+        ticks = process_start_ticks(self.follower_pid)
+        if self.follower_ticks is not None and ticks != self.follower_ticks:
+            return False  # gone, and the pid reused
+        return bool(group_members(self.follower_pid))  # its own session: pgid == pid
+
+    def _end_follower(self, wait_s: float = FOLLOWER_DRAIN_S) -> None:
+        """Wait for the follower to copy the last lines and exit; stop it after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while self._follower_alive():
+            if time.monotonic() >= deadline:
+                log.warning("log follower %s of %s did not exit; stopping it",
+                            self.follower_pid, self.name)
+                try:
+                    os.killpg(self.follower_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                break
+            time.sleep(0.05)
+        if self._follower is not None:
+            self._follower.poll()
+
+    def status(self) -> InstanceStatus:
+        try:
+            c = self._container()
+        except BadInput as e:
+            return InstanceStatus(False, None, f"engine unreachable: {e.what}")
+        if c is None:
+            self._end_follower(0.5)
+            return InstanceStatus(False, None, f"container {self.name} is gone")
+        state = c.attrs.get("State", {})
+        if state.get("Running"):
+            return InstanceStatus(True, None, f"container {self.name} running")
+        self._end_follower()  # the log file is complete once status says "stopped"
+        code = state.get("ExitCode")
+        what = (f"exited with code {code}" if state.get("Status") == "exited"
+                else f"is {state.get('Status', 'not running')}")
+        if state.get("OOMKilled"):
+            what += " (out of memory)"
+        return InstanceStatus(False, code, f"container {self.name} {what}")
+
+    def stop(self, grace_s: float = 10.0) -> StopResult:
+        """Stop (SIGTERM, SIGKILL after `grace_s`, both by the engine) and remove the container,
+        its anonymous volumes and any other container of this role left by a failed launch.
+        Idempotent. Raises RuntimeFailure when the engine cannot be reached.
+        """
+        import docker.errors
+
+        t0 = time.monotonic()
+        try:
+            c = self._container()
+        except BadInput as e:
+            raise RuntimeFailure(f"cannot stop the {self.role} container: {e.what}",
+                                 where=f"engine {self.engine}, container {self.name}",
+                                 fix="start that engine (its containers may still run), then "
+                                     "run `kvctl down` again") from None
+        was_running, used = False, None
+        if c is not None:
+            was_running = bool(c.attrs.get("State", {}).get("Running"))
+            try:
+                if was_running:
+                    c.stop(timeout=max(1, math.ceil(grace_s)))
+                    c.reload()
+                    used = "SIGKILL" if c.attrs["State"].get("ExitCode") == 137 else "SIGTERM"
+                c.remove(v=True, force=True)
+            except docker.errors.NotFound:
+                pass
+            except docker.errors.APIError as e:
+                raise RuntimeFailure(f"the engine could not remove the {self.role} container: "
+                                     f"{_daemon_error(e)}", where=f"engine {self.engine}, "
+                                     f"container {self.name}",
+                                     fix=f"remove it by hand: docker rm -f {self.name}") from None
+        self._end_follower()
+        if len(self.labels) == 3:  # also any twin a failed or interrupted launch left behind
+            _remove_labelled(self.client(), self.labels)
+        return StopResult(self.role, was_running, used, time.monotonic() - t0)
+
+    def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        if not follow:
+            return follow_log(self.log_path, tail, lambda: False)
+        return follow_log(self.log_path, tail, lambda: self.status().running)
+
+    def record(self) -> dict[str, Any]:
+        return {"container_id": self.container_id, "container_name": self.name,
+                "engine": self.engine, "image": self.image,
+                "log_follower_pid": self.follower_pid,
+                "log_follower_start_ticks": self.follower_ticks, "command": self.command,
+                "labels": self.labels}
+
+
+def _remove_labelled(client: Any, labels: Mapping[str, str]) -> list[str]:
+    """Remove (force, with anonymous volumes) every container carrying all `labels`."""
+    import docker.errors
+
+    removed = []
+    filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
+    for c in client.containers.list(all=True, filters=filters):
+        try:
+            c.remove(v=True, force=True)
+            removed.append(c.name)
+        except docker.errors.NotFound:
+            pass
+    return removed
+
+
+# ---- the runtime ------------------------------------------------------------------
+
+class DockerRuntime:
+    """Starts servers as containers; see the module docstring."""
+
+    name = "docker"
+
+    def __init__(self, options: DockerOptions | None = None, store: Path | None = None):
+        self.options = options or DockerOptions()
+        self.store = store
+        self._clients: dict[str, Any] = {}
+        self._images: dict[str, tuple[str, dict[str, str]]] = {}  # role -> (ref, labels)
+
+    @classmethod
+    def for_cluster(cls, spec: Any) -> DockerRuntime:
+        """The runtime for a ClusterSpec: its docker options and its store."""
+        return cls(getattr(spec, "docker", None), getattr(spec, "store", None))
+
+    def client(self, role: str) -> Any:
+        url = self.options.host(role)
+        if url not in self._clients:
+            self._clients[url] = connect(url)
+        return self._clients[url]
+
+    def image_ref(self) -> str:
+        if self.options.image:
+            return self.options.image
+        from kvctl import images
+
+        try:
+            return images.default_image("gpu" if self.options.gpus else "cpu")
+        except BadInput as e:
+            raise BadInput(f"no default image: {e.what}", where="--image",
+                           fix="pass --image (a tag `kvctl image build` printed)") from None
+
+    def _image(self, role: str) -> tuple[str, dict[str, str]]:
+        """(ref, labels) of the image on `role`'s engine. Raises BadInput when it is missing."""
+        if role not in self._images:
+            import docker.errors
+
+            ref = self.image_ref()
+            try:
+                img = self.client(role).images.get(ref)
+            except docker.errors.ImageNotFound:
+                kind = "gpu" if ref.startswith("kvctl-gpu") or self.options.gpus else "cpu"
+                raise BadInput(f"image {ref} is not on the engine at {self.options.host(role)}",
+                               where="--image",
+                               fix=f"build it with `kvctl image build {kind}` (on that engine: "
+                                   f"DOCKER_HOST={self.options.host(role)}), or pass --image "
+                                   "with an image that engine has") from None
+            self._images[role] = (ref, dict(img.labels or {}))
+        return self._images[role]
+
+    def gpus(self, role: str) -> list[str] | None:
+        """Device ids for `role`: --gpus, else DEFAULT_GPUS on a GPU image, else none."""
+        _, labels = self._image(role)
+        pair = self.options.gpus or (DEFAULT_GPUS if labels.get("kvctl.device") == "gpu" else None)
+        if pair is None:
+            return None
+        return pair[ROLES.index(role)].split("+")
+
+    def check(self) -> None:
+        """Each role's engine answers and has the image. Raises BadInput."""
+        for role in ROLES:
+            self._image(role)
+
+    def command(self, spec: InstanceSpec) -> tuple[list[str], dict[str, str]]:
+        """The container's argv and environment: the local runtime's, in the image's python."""
+        _, labels = self._image(spec.role)
+        if labels.get("kvctl.device") == "gpu" and (spec.worker_cls or "").startswith(CPU_WORKER_PREFIX):
+            # The GPU model runner has the V0 KV hooks itself; the CPU worker would break it.
+            log.info("%s: %s is a CPU worker; the GPU image uses vLLM's own", spec.role, spec.worker_cls)
+            spec = dataclasses.replace(spec, worker_cls=None)
+        python = labels.get("kvctl.python", "python3")
+        argv = [python, "-m", ENTRYPOINT_MODULE,
+                *vllm_server_args(spec, model=str(spec.model), host="0.0.0.0")]
+        return argv, vllm_server_env(spec)
+
+    def _mounts(self, spec: InstanceSpec) -> list[Any]:
+        """The model (read-only), the cluster's store and every fs_storage_path the role's
+        config names (relative ones resolved in its working dir), each at its host path."""
+        from docker.types import Mount
+
+        mounts = []
+        if spec.model.is_absolute():  # a hub id is passed through to vLLM as it is
+            mounts.append(Mount(target=str(spec.model), source=str(spec.model), type="bind",
+                                read_only=True))
+        stores = [self.store] if self.store is not None else []
+        stores += [spec.cwd / p for p in _fs_storage_paths(spec.kv_transfer_config)]
+        for path in dict.fromkeys(Path(os.path.normpath(p)) for p in stores):
+            path.mkdir(parents=True, exist_ok=True)
+            mounts.append(Mount(target=str(path), source=str(path), type="bind"))
+        return mounts
+
+    def start(self, spec: InstanceSpec) -> DockerInstance:
+        """Create and start the container; returns at once (health is the caller's wait).
+
+        Raises BadInput (image missing, a running container of that name),
+        RuntimeFailure (the engine refused to create or start it: a GPU request
+        without the NVIDIA toolkit, a port in use), with the engine's error and
+        the container's log tail. A container it made is removed on any failure.
+        """
+        import docker.errors
+        from docker.types import DeviceRequest
+
+        client = self.client(spec.role)
+        engine = self.options.host(spec.role)
+        ref, _ = self._image(spec.role)
+        argv, env = self.command(spec)
+        name = container_name(spec.cluster, spec.role, spec.cwd)
+        labels = {LABEL_CLUSTER: spec.cluster, LABEL_ROLE: spec.role,
+                  LABEL_HOME: str(kvctl_home().absolute())}
+        gpus = self.gpus(spec.role)
+        devices = [DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])] if gpus else None
+        _remove_stopped_namesake(client, name)
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "wb") as f:  # one header line, as the local runtime writes
+            f.write(f"kvctl: starting {spec.role} container {name} ({ref} on {engine}"
+                    f"{', GPUs ' + ','.join(gpus) if gpus else ''}): {shlex.join(argv)}\n".encode())
+        container = None
+        try:
+            container = client.containers.create(
+                ref, command=argv, entrypoint=[], name=name, labels=labels, environment=env,
+                mounts=self._mounts(spec), working_dir=str(spec.cwd),
+                ports={f"{spec.port}/tcp": (self.options.bind, spec.port)},
+                ipc_mode="host", init=True, device_requests=devices, detach=True)
+            container.start()
+            follower = _spawn_follower(engine, container.id, spec.log_path)
+        except docker.errors.APIError as e:
+            error = _daemon_error(e)
+            tail = _container_tail(container)
+            _discard(container)
+            raise RuntimeFailure(
+                f"the {spec.role} container did not start: {error}",
+                where=f"engine {engine}, image {ref}, container {name}", fix=_start_fix(error),
+                details=(f"engine error: {error}"
+                         + (f"\nlast {len(tail)} lines of the container's output:\n" + "\n".join(tail)
+                            if tail else ""))) from None
+        except BaseException:
+            _discard(container)  # Ctrl-C between create and start must not leave it behind
+            raise
+        url = f"http://{_url_host(engine, self.options.bind)}:{spec.port}"
+        log.debug("started %s container %s on %s: %s", spec.role, name, engine, shlex.join(argv))
+        return DockerInstance(spec.role, url, spec.log_path, engine, container.id, name, ref,
+                              follower.pid, process_start_ticks(follower.pid), argv, labels,
+                              follower)
+
+    def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> DockerInstance:
+        if not isinstance(record.get("container_id"), str) or not isinstance(record.get("engine"), str):
+            raise BadInput(f"the {role} record of this cluster has no container_id/engine",
+                           where="cluster.json", fix="remove the cluster with `kvctl down`")
+        inst = DockerInstance(role, url, log_path, record["engine"], record["container_id"],
+                              str(record.get("container_name") or record["container_id"][:12]),
+                              str(record.get("image") or ""), record.get("log_follower_pid"),
+                              record.get("log_follower_start_ticks"),
+                              list(record.get("command") or []), record.get("labels"))
+        return inst
+
+    def remove_leftovers(self, cluster: str) -> list[str]:
+        """Remove this cluster's containers (by label) on its engines; the names removed.
+
+        Catches what a launch interrupted between create and record left behind.
+        """
+        removed = []
+        labels = {LABEL_CLUSTER: cluster, LABEL_HOME: str(kvctl_home().absolute())}
+        for url in dict.fromkeys(self.options.host(r) for r in ROLES):
+            try:
+                client = self._clients.get(url) or connect(url)
+            except BadInput as e:
+                log.warning("cannot look for leftover containers on %s: %s", url, e.what)
+                continue
+            removed += _remove_labelled(client, labels)
+        return removed
+
+
+def _fs_storage_paths(cfg: Any) -> list[str]:
+    """Every fs_storage_path in a kv-transfer-config, MultiConnectorV0 children included."""
+    if isinstance(cfg, dict):
+        own = [cfg["fs_storage_path"]] if isinstance(cfg.get("fs_storage_path"), str) else []
+        return own + [p for v in cfg.values() for p in _fs_storage_paths(v)]
+    if isinstance(cfg, list):
+        return [p for v in cfg for p in _fs_storage_paths(v)]
+    return []
+
+
+def _container_tail(container: Any) -> list[str]:
+    if container is None:
+        return []
+    try:
+        text = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", errors="replace")
+    except Exception:  # noqa: BLE001 - best effort: the start error is what matters
+        return []
+    return text.splitlines()[-LOG_TAIL_LINES:]
+
+
+def _discard(container: Any) -> None:
+    """Remove a container we made (also one left in Created by a refused GPU request)."""
+    import docker.errors
+
+    if container is None:
+        return
+    try:
+        container.remove(v=True, force=True)
+    except docker.errors.NotFound:
+        pass
+    except docker.errors.APIError as e:
+        log.error("could not remove container %s: %s", container.name, _daemon_error(e))
+
+
+def _remove_stopped_namesake(client: Any, name: str) -> None:
+    """A stopped container with our name is a leftover of this cluster dir: remove it.
+
+    Raises BadInput if it is running (then it is not ours to kill silently).
+    """
+    import docker.errors
+
+    try:
+        old = client.containers.get(name)
+    except docker.errors.NotFound:
+        return
+    if old.attrs.get("State", {}).get("Running"):
+        raise BadInput(f"container {name} is running but not recorded in this cluster's state",
+                       where=f"container {name}",
+                       fix=f"stop it with `docker rm -f {name}`, then launch again")
+    _discard(old)
+
+
+# ---- `python -m kvctl.runtime.docker follow ...` ------------------------------------
+
+def _main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvctl.runtime.docker")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    follow = sub.add_parser("follow", help="append a container's output to a file until it stops")
+    follow.add_argument("--engine", required=True)
+    follow.add_argument("--container", required=True)
+    follow.add_argument("--log", required=True, type=Path)
+    args = parser.parse_args(argv)
+    return follow_container(args.engine, args.container, args.log)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
