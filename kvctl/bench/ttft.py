@@ -14,7 +14,7 @@ For each prompt length, each repeat uses two fresh prompts of that length:
     recompute   D answers a prompt nobody has stored: a miss, then a full prefill.
 
 TTFT is the whole max_tokens=1 HTTP round trip on D. Order alternates per
-repeat; the best of N counts; one untimed round at the largest length warms
+repeat; the best of N counts; one untimed round at the smallest length warms
 both servers up. `ttft_transfer_vs_recompute` = transfer TTFT / recompute
 TTFT (a time ratio: lower is better).
 
@@ -22,9 +22,9 @@ Multi overhead comes from P's log: per request, MultiConnectorV0 logs each
 child's whole send (`sent to connector X (child i, ms)`) and each FSConnector
 logs its own store write (`KV send DONE ... ms=`). `multi_overhead` = the sum
 of the children's send times as the multi connector measured them / the sum
-of the children's own store-write times (a time ratio: 1.0 = nothing added;
-the difference holds each child's gather from the paged cache and key
-computation, which FSConnector's ms does not cover).
+of the children's own times (a time ratio: 1.0 = nothing added). A child's
+own time is its store write (`ms=`) plus its gather from the paged cache
+when it logs `gather_ms=`; without that the gap also holds the gather.
 """
 
 from __future__ import annotations
@@ -33,15 +33,18 @@ import dataclasses
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
 from kvctl import markers
 from kvctl.bench.common import Progress, quiet
 from kvctl.client import VLLMClient, user_messages
-from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.errors import BadInput, KvctlError, RuntimeFailure
+from kvctl.runtime.base import read_log_tail
 
 LOG_WAIT_S = 15.0  # log lines are flushed asynchronously after the HTTP answer
+LOG_TAIL_LINES = 40  # of each server's log, carried in an error (the logs go at teardown)
 FIT_TRIES = 8  # tokenize rounds to bring a prompt to its target length
 _WORDS = (
     "the cache holds keys and values for every layer of the model while a prefill runs "
@@ -87,6 +90,10 @@ class SendStep:
     tokens: int | None
     child_ms: dict[int, float]  # child index -> whole send, as MultiConnectorV0 timed it
     store_ms: dict[int, float]  # child index -> FSConnector's own `KV send DONE ... ms=`
+    gather_ms: dict[int, float] = dataclasses.field(default_factory=dict)  # `gather_ms=`, if logged
+
+
+_GATHER_MS_RE = re.compile(r"\bgather_ms=([\d.]+)")
 
 
 def send_steps(log_text: str) -> list[SendStep]:
@@ -109,6 +116,9 @@ def send_steps(log_text: str) -> list[SendStep]:
         if pending_done is not None and pending_done.ms is not None:
             step.store_ms[child] = pending_done.ms
             step.tokens = pending_done.tokens
+            gather = _GATHER_MS_RE.search(pending_done.line)
+            if gather:
+                step.gather_ms[child] = float(gather.group(1))
         pending_done = None
     return steps
 
@@ -176,11 +186,20 @@ class _Run:
                 "first_token_match": (p.token_ids == d.token_ids) if p.token_ids else None,
                 "child_ms": sum(step.child_ms.values()) if step else None,
                 "store_ms": sum(step.store_ms.values()) if step and step.store_ms else None,
+                "gather_ms": sum(step.gather_ms.values()) if step and step.gather_ms else None,
                 "children": len(step.child_ms) if step else 0}
 
     def recompute(self, prompt: Prompt) -> dict:
         d = self.d.chat(user_messages(prompt.text), max_tokens=1)
         return {"ttft_s": d.latency_s}
+
+
+def _log_tails(state, lines: int = LOG_TAIL_LINES) -> str:
+    parts = []
+    for role, inst in state.instances.items():
+        tail = read_log_tail(Path(inst.log_path), lines)
+        parts.append(f"--- last {len(tail)} lines of the {role} log ---\n" + "\n".join(tail))
+    return "\n".join(parts)
 
 
 def _best(values) -> float | None:
@@ -205,14 +224,18 @@ def bench_size(run: _Run, target: int, repeat: int, nonce: str) -> dict:
     tr = _best(x["recompute"]["ttft_s"] for x in rounds)
     child = _best(x["transfer"]["child_ms"] for x in rounds)
     store = _best(x["transfer"]["store_ms"] for x in rounds)
+    own = _best(x["transfer"]["store_ms"] + x["transfer"]["gather_ms"] for x in rounds
+                if x["transfer"]["store_ms"] is not None and x["transfer"]["gather_ms"] is not None)
     ratios = {"ttft_transfer_vs_recompute": tt / tr}
-    if child is not None and store:
-        ratios["multi_overhead"] = child / store
+    if child is not None and (own or store):
+        ratios["multi_overhead"] = child / (own or store)
     return {"target_tokens": target, "tokens": rounds[0]["tokens"],
             "ttft_transfer_s": tt, "ttft_recompute_s": tr,
             "p_latency_s": _best(x["transfer"]["p_s"] for x in rounds),
             "d_load_ms": _best(x["transfer"]["load_ms"] for x in rounds),
             "multi_children_send_ms": child, "children_store_ms": store,
+            "children_gather_ms": _best(x["transfer"]["gather_ms"] for x in rounds),
+            "multi_overhead_basis": "store write + gather" if own else "store write only",
             "first_token_match": all(x["transfer"]["first_token_match"] is not False for x in rounds),
             "ratios": ratios, "rounds": rounds}
 
@@ -253,11 +276,14 @@ def run(model: Path, sizes: list[int], repeat: int, progress: Progress = quiet,
         launch_s = time.monotonic() - started
         bench = _Run(state, progress)
         try:
-            warm = max(sizes)
+            warm = min(sizes)  # first requests pay one-off costs; best-of-N covers the rest
             bench.transfer(fit_prompt(bench.p, warm, f"{nonce} warm t"))
             bench.recompute(fit_prompt(bench.p, warm, f"{nonce} warm r"))
             progress(f"ttft: warmed up at {warm} tokens")
             results = [bench_size(bench, t, repeat, nonce) for t in sizes]
+        except KvctlError as e:  # the cluster dir (logs included) goes at teardown: keep the tails
+            e.details = "\n".join(filter(None, [e.details, _log_tails(state)]))
+            raise
         finally:
             bench.close()
     return {"model": str(model), "served_model_name": spec.served_model_name, "dtype": spec.dtype,
