@@ -13,7 +13,8 @@
 
 Tests skip without an engine or the CPU image, and fail instead under
 KVCTL_REQUIRE_DOCKER=1 (CI). Tests that start vLLM take the run-wide
-`vllm_slot`: one server pair at a time on this 2-core machine.
+`vllm_slot` and join the "vllm" xdist group: one server pair at a time on
+this 2-core machine.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ pytestmark = pytest.mark.docker
 LAUNCH_TIMEOUT_S = 600
 VERIFY_TIMEOUT_S = 600
 FAKE_GPU_IMAGE = "kvctl-test-fakegpu:1"
+# Tests that start vLLM run on the worker of the other vLLM tests (make test: --dist loadgroup).
+VLLM_GROUP = pytest.mark.xdist_group("vllm")
 
 
 def _worker_octet(offset: int) -> int:
@@ -261,6 +264,7 @@ def test_gpu_request_without_nvidia_hook_fails_clearly_and_leaves_nothing(kvctl,
 
 # ---- real vLLM in CPU containers ------------------------------------------------------
 
+@VLLM_GROUP
 def test_docker_1p1d_verifies_and_down_leaves_nothing(kvctl, kvctl_home, main_engine, cpu_tag, tiny_model,
                                                       vllm_slot):
     volumes_before = {v.name for v in main_engine.volumes.list()}
@@ -306,6 +310,7 @@ def test_docker_1p1d_verifies_and_down_leaves_nothing(kvctl, kvctl_home, main_en
     assert {v.name for v in main_engine.volumes.list()} <= volumes_before  # no anonymous volume
 
 
+@VLLM_GROUP
 def test_two_engines_share_a_host_store(kvctl, kvctl_home, main_engine, plain_dockerd, cpu_tag, tiny_model,
                                         tmp_path, vllm_slot):
     t0 = time.monotonic()
@@ -331,6 +336,7 @@ def test_two_engines_share_a_host_store(kvctl, kvctl_home, main_engine, plain_do
     _assert_nothing_left(kvctl_home, main_engine, plain_dockerd.client)
 
 
+@VLLM_GROUP
 def test_server_exiting_during_startup_shows_its_log_tail(kvctl, kvctl_home, main_engine, cpu_tag, tiny_model,
                                                           vllm_slot):
     r = kvctl("launch", "1p1d", "--runtime", "docker", "--image", cpu_tag, "--model", str(tiny_model),
@@ -341,6 +347,7 @@ def test_server_exiting_during_startup_shows_its_log_tail(kvctl, kvctl_home, mai
     _assert_nothing_left(kvctl_home, main_engine)
 
 
+@VLLM_GROUP
 def test_sigint_during_launch_leaves_nothing(kvctl, kvctl_home, main_engine, cpu_tag, tiny_model, vllm_slot):
     p = kvctl.popen("launch", "1p1d", "--runtime", "docker", "--image", cpu_tag, "--model", str(tiny_model))
     try:
