@@ -221,7 +221,8 @@ def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None 
             prefill_config=configs["prefill"], decode_config=configs["decode"], store=store,
             timeout_s=scenario.timeout,
             prefill_args=tuple(scenario.prefill.args), decode_args=tuple(scenario.decode.args),
-            prefill_env=scenario.prefill.env, decode_env=scenario.decode.env)
+            prefill_env=scenario.prefill.env, decode_env=scenario.decode.env,
+            docker=_docker_options(scenario) if runtime == "docker" else None)
         children = _send_children(scenario, configs["prefill"])
     except BadInput as e:
         if e.where and e.where.startswith("prompts["):
@@ -229,6 +230,14 @@ def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None 
         raise _in_scenario(e, source) from None
     return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
                         send_children=children, kept_dir=kept_dir)
+
+
+def _docker_options(scenario: Scenario):
+    from kvctl.runtime.docker import docker_options  # the docker SDK only when needed
+
+    return docker_options(image=scenario.image, gpus=scenario.gpus,
+                          prefill_host=scenario.prefill.docker_host,
+                          decode_host=scenario.decode.docker_host)
 
 
 # ---------------------------------------------------------------- run
