@@ -94,7 +94,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
+def signals_interrupt() -> Iterator[None]:
     """Turn SIGINT, SIGTERM and SIGHUP into exceptions, so cleanup runs.
 
     SIGINT gets Python's own handler even when it was inherited as ignored
@@ -310,7 +310,7 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
         if made_store and spec.store.is_dir() and not any(spec.store.iterdir()):
             spec.store.rmdir()
 
-    with _launch_lock(spec.name), _signals_interrupt():
+    with _launch_lock(spec.name), signals_interrupt():
         _ensure_name_free(spec.name)
         t0 = time.monotonic()
         try:

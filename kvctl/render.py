@@ -45,3 +45,12 @@ class Output:
             self.stderr.print(f"  [dim]fix:[/dim]   {e.fix}", highlight=False)
         if e.details:
             self.stderr.print(e.details, highlight=False, markup=False)
+
+
+def human_size(n: float) -> str:
+    """Bytes as people read them: 512 B, 16.1 KiB, 3.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover

@@ -37,7 +37,7 @@ from typing import Any
 from kvctl.cluster import ClusterSpec, build_1p1d_spec, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError
 from kvctl.junit import verify_junit
-from kvctl.launch import LaunchProgress, _signals_interrupt, down, running_cluster
+from kvctl.launch import LaunchProgress, down, running_cluster, signals_interrupt
 from kvctl.paths import kvctl_home
 from kvctl.runtime import select_runtime
 from kvctl.scenario import Scenario
@@ -355,7 +355,7 @@ def run_scenario(scenario: Scenario, progress: ScenarioProgress | None = None, *
                             expected_checks=list(scenario.expectations.checks))
     t0 = time.monotonic()
     # SIGTERM/SIGHUP (e.g. a CI timeout) must tear down too, not only Ctrl-C.
-    with _signals_interrupt():
+    with signals_interrupt():
         try:
             _run_phases(plan, report, _Phases(report, progress), progress)
         except KeyboardInterrupt:

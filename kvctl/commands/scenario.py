@@ -17,12 +17,11 @@ from rich.progress import (
 )
 
 from kvctl.commands.cluster import _LaunchDisplay
-from kvctl.commands.store import _size
 from kvctl.commands.store import render_report as render_store
 from kvctl.commands.verify import render_report as render_verify
 from kvctl.errors import BadInput
 from kvctl.launch import LaunchProgress
-from kvctl.render import Output
+from kvctl.render import Output, human_size
 from kvctl.runtime import select_runtime
 from kvctl.scenario import list_scenarios, load_scenario, scenario_file
 from kvctl.scenario_run import (
@@ -137,7 +136,7 @@ def verdict(report: ScenarioReport) -> str:
         assert v is not None and s is not None
         checks = len(report.expected_checks)
         return (f"[bold green]PASS[/bold green] {report.scenario}: {len(v.requests)} requests x {checks} checks, "
-                f"store {len(s.entries)} entries ({_size(s.total_bytes)}); {wall}")
+                f"store {len(s.entries)} entries ({human_size(s.total_bytes)}); {wall}")
     failed = [p for p in report.phases.values() if p.status in ("failed", "interrupted")]
     why = "; ".join(f"{p.name}: {p.detail}" for p in failed) or "not all phases ran"
     return f"[bold red]FAIL[/bold red] {report.scenario} (exit {report.exit_code}): {escape(why)}; {wall}"

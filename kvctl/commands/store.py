@@ -12,7 +12,7 @@ from rich.table import Table
 
 from connectors.eviction import EvictionReport, evict, store_lock
 from kvctl.errors import BadInput, ExitCode, RuntimeFailure
-from kvctl.render import Output
+from kvctl.render import Output, human_size
 from kvctl.store_inspect import (
     TEMP_GRACE_S,
     FixResult,
@@ -127,12 +127,6 @@ def prune_cmd(
 
 # ---------------------------------------------------------------- rendering
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _when(ts: float | None) -> str:
@@ -157,23 +151,23 @@ def render_report(report: StoreReport, out: Output) -> None:
         table.add_row(e.key[:10] + "…", str(e.num_tokens) if ident else "?",
                       str(ident.num_layers) if ident else "?", str(ident.kv_heads) if ident else "?",
                       str(ident.head_size) if ident else "?", ident.dtype if ident else "?",
-                      _size(e.bytes), _when(e.created), valid)
+                      human_size(e.bytes), _when(e.created), valid)
     out.stdout.print(table)
     for e in report.invalid:
         out.stdout.print(f"[red]invalid[/red] {escape(e.path.name)}: {escape(e.error or '')}", highlight=False)
     for t in report.temp_files:
-        out.stdout.print(f"[yellow]temp leftover[/yellow] {escape(t.path.name)} ({_size(t.bytes)}, "
+        out.stdout.print(f"[yellow]temp leftover[/yellow] {escape(t.path.name)} ({human_size(t.bytes)}, "
                          f"{t.age_s:.0f}s old)", highlight=False)
     for f in report.foreign_files:
         kind = "foreign dir" if f.is_dir else "foreign file"
-        size = "" if f.is_dir else f" ({_size(f.bytes)})"
+        size = "" if f.is_dir else f" ({human_size(f.bytes)})"
         out.stdout.print(f"[yellow]{kind}[/yellow] {escape(f.path.name)}{size}",
                          highlight=False)
     valid = sum(1 for e in report.entries if e.valid)
     checked = f", {valid} valid, {len(report.invalid)} invalid" if report.verified else (
         f", {len(report.invalid)} invalid (add --verify to check data)")
     n = len(report.entries)
-    out.stdout.print(f"{n} entr{'y' if n == 1 else 'ies'}, {_size(report.total_bytes)}{checked}; "
+    out.stdout.print(f"{n} entr{'y' if n == 1 else 'ies'}, {human_size(report.total_bytes)}{checked}; "
                      f"{len(report.temp_files)} temp, {len(report.foreign_files)} foreign", highlight=False)
 
 
@@ -186,5 +180,5 @@ def render_fix(fixed: FixResult, out: Output) -> None:
 
 def render_prune(report: EvictionReport, out: Output) -> None:
     n = len(report.removed)
-    out.stdout.print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({_size(report.freed_bytes)}); "
-                     f"{_size(report.total_bytes)} of entries left", highlight=False)
+    out.stdout.print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({human_size(report.freed_bytes)}); "
+                     f"{human_size(report.total_bytes)} of entries left", highlight=False)
