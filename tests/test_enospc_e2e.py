@@ -15,9 +15,7 @@ mounting is not permitted it fails under CI=true and is skipped elsewhere.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
