@@ -66,6 +66,7 @@ def test_layout_bench_smoke(kvctl, rig_python):
 
 
 @pytest.mark.e2e
+@pytest.mark.xdist_group("vllm")  # with the other vLLM-starting tests (make test: --dist loadgroup)
 def test_ttft_bench_smoke(kvctl, rig_python, tiny_model, vllm_slot, kvctl_home):
     r = kvctl("bench", "ttft", "--model", str(tiny_model), "--sizes", "48", "--repeat", "1",
               "--json", timeout=900)
