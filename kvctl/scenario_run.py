@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import re
 import shutil
 import time
 import xml.etree.ElementTree as ET
@@ -208,7 +210,7 @@ def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None 
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
             kept_dir = kvctl_home() / KEPT_ROOT / f"{name}-{stamp}"
         if scenario.store is not None:
-            store = Path(scenario.store).expanduser().resolve()
+            store = Path(_expand(scenario.store, "$.store")).expanduser().resolve()
         else:
             store = (kept_dir or cdir) / "store"
         configs = {role: scenario.resolved_config(role, str(store), str(cdir / "instances" / role))
@@ -216,7 +218,7 @@ def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None 
         prompts = check_prompts(scenario.prompt_texts())
         spec = build_1p1d_spec(
             name=name, runtime=runtime,
-            model=None if scenario.model == "tiny" else Path(scenario.model),  # None: the tiny model
+            model=None if scenario.model == "tiny" else Path(_expand(scenario.model, "$.model")),
             served_model_name=scenario.served_model_name,
             prefill_config=configs["prefill"], decode_config=configs["decode"], store=store,
             timeout_s=scenario.timeout,
@@ -230,6 +232,16 @@ def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None 
         raise _in_scenario(e, source) from None
     return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
                         send_children=children, kept_dir=kept_dir)
+
+
+def _expand(value: str, path: str) -> str:
+    """$VARS in model/store paths (nightly CI points them at its model cache); unset = BadInput."""
+    expanded = os.path.expandvars(value)
+    missing = re.findall(r"\$\{?(\w+)", expanded)
+    if missing:
+        raise BadInput(f"{path} uses ${missing[0]}, which is not set", where=path,
+                       fix=f"export {missing[0]}=<directory> before running the scenario")
+    return expanded
 
 
 def _docker_options(scenario: Scenario):

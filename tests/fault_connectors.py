@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 
+from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
+
 from connectors.batch import split_prefills
 from connectors.kv_layout import CacheGeometry, select_layout
-from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 
 log = logging.getLogger("vllm.kvctl.probe")
 

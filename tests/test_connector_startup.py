@@ -11,8 +11,7 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
-
-pytest.importorskip("vllm")
+import vllm  # noqa: F401  (runs in the rig; a missing vLLM must fail, not skip)
 
 from connectors.config import ConfigError  # noqa: E402
 from connectors.fs_connector import _refuse_unsupported, _resolve_store_path  # noqa: E402

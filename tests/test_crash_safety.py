@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from connectors import store_format as fmt  # noqa: E402
 from connectors.eviction import published_entries  # noqa: E402

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import Kvctl, live_processes_under
 from docker_helpers import (
     build_fake_gpu_image,
@@ -39,6 +38,7 @@ from docker_helpers import (
     second_engine,
     skip_or_fail,
 )
+
 from kvctl.verify import CHECKS
 
 pytestmark = pytest.mark.docker

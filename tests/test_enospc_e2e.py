@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
+from tmpfs import mounted_tmpfs
 
 from connectors import store_format as fmt
 from kvctl import markers
 from kvctl.client import user_messages
-from tmpfs import mounted_tmpfs
-from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 

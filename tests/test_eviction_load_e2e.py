@@ -33,11 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
 from conftest import Kvctl
+from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
+
 from connectors import store_format as fmt
 from connectors.eviction import published_entries, store_lock
-from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 from kvctl import markers
 from kvctl.client import user_messages
 from kvctl.load import ERROR_CHECK, generate_prompts, percentile, summarise

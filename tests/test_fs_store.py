@@ -7,8 +7,7 @@ import os
 import time
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from connectors import store_format as fmt  # noqa: E402
 from connectors.fs_store import FSStore, TokenMismatch  # noqa: E402
@@ -39,7 +38,7 @@ def test_round_trip_bit_exact(tmp_path):
 
 
 def test_entry_is_plain_safetensors(tmp_path):
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors
     ids, kv, hidden = make_entry(tokens=5)
     saved = FSStore(tmp_path).save(IDENT, ids, kv, hidden)
     loaded = safetensors.load_file(saved.path)
@@ -104,7 +103,7 @@ def test_token_mismatch_is_rejected(tmp_path, monkeypatch):
 
 
 def test_foreign_safetensors_file_is_rejected(tmp_path):
-    safetensors = pytest.importorskip("safetensors.torch")
+    import safetensors.torch as safetensors
     ids, kv, hidden = make_entry()
     key = fmt.compute_key(IDENT, ids)
     safetensors.save_file({"kv": kv.contiguous()}, fmt.entry_path(tmp_path, key))

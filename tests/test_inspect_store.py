@@ -13,7 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from connectors.store_format import KVIdentity, TensorBlob, compute_key, token_bytes, write_entry
+from connectors.store_format import (
+    KVIdentity,
+    TensorBlob,
+    compute_key,
+    token_bytes,
+    write_entry,
+)
 from kvctl.errors import BadInput
 from kvctl.store_inspect import fix_store, inspect_store, resolve_store_dir
 

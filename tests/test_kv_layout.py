@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from connectors.kv_layout import (  # noqa: E402
-    CacheGeometry, FlashAttentionLayout, FlashInferLayout, MLALayout, PagedAttentionLayout,
-    UnsupportedLayout, select_layout)
+    CacheGeometry,
+    FlashAttentionLayout,
+    FlashInferLayout,
+    MLALayout,
+    PagedAttentionLayout,
+    UnsupportedLayout,
+    select_layout,
+)
 
 G = CacheGeometry(block_size=16, kv_heads=2, head_size=32)
 BLOCKS = 8

@@ -15,11 +15,11 @@ import re
 from pathlib import Path
 
 import pytest
+from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 
 from connectors import store_format as fmt
 from kvctl import markers
 from kvctl.client import user_messages
-from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 

@@ -19,7 +19,6 @@ import yaml
 from conftest import live_processes_under
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.runtime import select_runtime
 from kvctl.scenario import CHECK_NAMES, Scenario, scenarios_dir
 from kvctl.scenario_run import (
     PHASES,
@@ -102,17 +101,14 @@ def test_unknown_scenario_name_lists_the_shipped_ones(kvctl):
     assert "unknown scenario 'no-such-scenario'" in r.stderr and "smoke-1p1d" in r.stderr
 
 
-def test_docker_scenario_names_the_runtime_it_needs(kvctl, kvctl_home):
-    try:
-        select_runtime("docker")
-    except BadInput:
-        pass
-    else:
-        pytest.skip("this kvctl has the docker runtime; its own tests run docker scenarios")
+def test_gpu_scenario_without_its_model_cache_names_the_variable(kvctl, kvctl_home):
+    """Nightly GPU scenarios read the model from $KVCTL_MODELS; unset here, they stop before starting anything."""
+    kvctl.env.pop("KVCTL_MODELS", None)
     r = kvctl("scenario", "run", "fs-1p1d-gpu", "--json")
     assert r.rc == 2, r
     err = json.loads(r.stdout)
-    assert "needs the docker runtime" in err["error"] and err["where"].endswith("fs-1p1d-gpu.yaml: $.runtime")
+    assert "$KVCTL_MODELS" in err["error"] and err["where"].endswith("$.model")
+    assert "export KVCTL_MODELS=" in err["fix"]
     assert not (kvctl_home / "clusters").exists()
 
 

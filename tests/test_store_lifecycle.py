@@ -7,8 +7,7 @@ import os
 import time
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from connectors import store_format as fmt  # noqa: E402
 from connectors.eviction import EntryTooLarge, evict, published_entries, store_lock  # noqa: E402

@@ -21,10 +21,16 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from conftest import Kvctl, pid_alive
+
 from connectors.store_format import entry_path
-from kvctl.verify import CHECKS, ClusterVerifier, check_output_matches_baseline, check_store_entry_written, cluster_info
+from kvctl.verify import (
+    CHECKS,
+    ClusterVerifier,
+    check_output_matches_baseline,
+    check_store_entry_written,
+    cluster_info,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 

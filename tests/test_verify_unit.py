@@ -19,16 +19,35 @@ from pathlib import Path
 
 import pytest
 
-from connectors.store_format import KVIdentity, TensorBlob, compute_key, entry_path, write_entry
+from connectors.store_format import (
+    KVIdentity,
+    TensorBlob,
+    compute_key,
+    entry_path,
+    write_entry,
+)
 from kvctl import markers
 from kvctl.cli import main
 from kvctl.client import ChatResult
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.junit import verify_junit, write_verify_junit
-from kvctl.verify import (CHECKS, CheckResult, ClusterInfo, InstanceInfo, RequestReport, VerifyReport,
-                          check_decode_skipped_forward, check_kv_send_logged, check_output_matches_baseline,
-                          check_store_entry_written, cluster_info, expected_send_children,
-                          load_prompts_file, match_request_key, verify_cluster)
+from kvctl.verify import (
+    CHECKS,
+    CheckResult,
+    ClusterInfo,
+    InstanceInfo,
+    RequestReport,
+    VerifyReport,
+    check_decode_skipped_forward,
+    check_kv_send_logged,
+    check_output_matches_baseline,
+    check_store_entry_written,
+    cluster_info,
+    expected_send_children,
+    load_prompts_file,
+    match_request_key,
+    verify_cluster,
+)
 
 IDENT = KVIdentity(model="tiny", num_layers=2, kv_parts=2, kv_heads=2, head_size=4, dtype="F32")
 SEED_P_CONFIG = {"kv_connector": "MultiConnectorV0", "kv_role": "kv_both", "kv_connector_extra_config": {

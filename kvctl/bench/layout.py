@@ -97,7 +97,6 @@ def bench_one(name: str, tokens: int, p: dict, device: torch.device, progress: P
     times = {"memcpy_s": best_of(memcpy, repeat), "gather_s": best_of(gather, repeat),
              "scatter_s": best_of(scatter, repeat)}
     nbytes = src.numel() * src.element_size()
-    del caches, src, dst
     progress(f"layout {name} {tokens} tokens: gather {times['gather_s'] * 1e3:.1f} ms, "
              f"scatter {times['scatter_s'] * 1e3:.1f} ms, memcpy {times['memcpy_s'] * 1e3:.1f} ms")
     return {"layout": name, "tokens": tokens, "bytes": nbytes, **times,
