@@ -133,13 +133,16 @@ class FSConnector(KVConnectorBase):
                 continue
             slots = span_slots(model_input, span)
             try:
-                kv = torch.stack([layout.gather(cache, slots) for cache in kv_caches])
+                start = time.perf_counter()
+                kv = layout.gather_layers(kv_caches, slots)
+                gather_s = time.perf_counter() - start
                 result = self.store.save(identity, tokens, kv, hidden[span.end - 1:span.end])
             except (OSError, fmt.StoreError) as e:
                 self._send_failed(key, e)
                 continue
-            logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f", self.rank,
-                        result.key, len(tokens), result.num_bytes, result.seconds * 1e3)
+            logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f", self.rank,
+                        result.key, len(tokens), result.num_bytes, result.seconds * 1e3,
+                        gather_s * 1e3)
 
     def _send_failed(self, key: str, error: Exception) -> None:
         """Log a failed publish once per burst of the same error (a full disk fails every request)."""
@@ -200,8 +203,7 @@ class FSConnector(KVConnectorBase):
             loaded.append((span, entry))
         for span, entry in loaded:
             slots = span_slots(model_input, span)
-            for cache, layer_kv in zip(kv_caches, entry.kv):
-                layout.scatter(cache, slots, layer_kv.to(cache.dtype))
+            layout.scatter_layers(kv_caches, slots, entry.kv)
         # The sampler reads only each prompt's last position (no prompt logprobs here).
         last = step.spans[-1].end
         hidden = loaded[0][1].hidden.new_zeros((last, loaded[0][1].hidden.shape[-1]))

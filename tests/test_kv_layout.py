@@ -96,3 +96,52 @@ def test_unknown_shape_is_refused():
         select_layout(torch.zeros(3, 4, 5, 6), G)
     with pytest.raises(UnsupportedLayout, match="does not match"):
         select_layout(empty_cache("flash_attn"), G, backend="TORCH_SDPA")
+
+
+@pytest.mark.parametrize("name", ["paged_attention", "flash_attn", "flashinfer", "mla"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn])
+def test_gather_layers_fills_one_tensor_like_stacked_gathers(name, dtype):
+    g = G if name != "mla" else CacheGeometry(16, 1, G.head_size)
+    caches = [empty_cache(name, torch.float32).normal_(generator=torch.Generator().manual_seed(i)).to(dtype)
+              for i in range(3)]
+    layout = select_layout(caches[0], g)
+    expected = torch.stack([layout.gather(c, SLOTS) for c in caches])
+    got = layout.gather_layers(caches, SLOTS)
+    assert got.shape == (3, layout.kv_parts, len(SLOTS), g.kv_heads, g.head_size)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))  # bit exact, NaNs included
+    fresh = [torch.zeros_like(c) for c in caches]
+    layout.scatter_layers(fresh, SLOTS, got)
+    assert torch.equal(layout.gather_layers(fresh, SLOTS).view(torch.uint8), got.view(torch.uint8))
+
+
+def test_paged_gather_moves_bytes_not_values():
+    # Moving 16-byte groups as complex128 must not touch the bits: NaN payloads and -0.0 survive.
+    cache = empty_cache("paged_attention", torch.bfloat16)
+    cache.view(torch.int16).copy_(torch.randint(-2**15, 2**15 - 1, cache.shape, dtype=torch.int16,
+                                                generator=torch.Generator().manual_seed(1)))
+    layout = select_layout(cache, G)
+    kv = layout.gather(cache, SLOTS)
+    other = torch.zeros_like(cache)
+    layout.scatter(other, SLOTS, kv)
+    assert torch.equal(layout.gather(other, SLOTS).view(torch.int16), kv.view(torch.int16))
+    block, offset = SLOTS // 16, SLOTS % 16
+    x = 16 // 2
+    key = cache[0].view(BLOCKS, G.kv_heads, G.head_size // x, 16, x)
+    assert torch.equal(kv[0].view(torch.int16),
+                       key[block, :, :, offset, :].reshape(len(SLOTS), G.kv_heads, G.head_size).view(torch.int16))
+
+
+@pytest.mark.parametrize("shift_bytes", [0, 8, 4])
+def test_paged_round_trip_from_unaligned_kv(shift_bytes):
+    # A loaded entry's KV follows its int64 token ids: 8-byte aligned with an odd token count.
+    kv = token_kv(2, len(SLOTS), G.kv_heads)
+    raw = torch.zeros(kv.numel() * 4 + shift_bytes, dtype=torch.uint8)
+    view = raw[shift_bytes:].view(torch.float32).view(kv.shape) if shift_bytes % 4 == 0 else None
+    view.copy_(kv)
+    cache = empty_cache("paged_attention")
+    layout = select_layout(cache, G)
+    layout.scatter(cache, SLOTS, view)
+    out_raw = torch.zeros_like(raw)
+    out = out_raw[shift_bytes:].view(torch.float32).view(kv.shape)
+    layout.gather(cache, SLOTS, out=out)
+    assert torch.equal(out, kv) and torch.equal(layout.gather(cache, SLOTS), kv)
