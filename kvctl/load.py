@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvctl.errors import BadInput, KvctlError
-from kvctl.verify import (DEFAULT_MAX_TOKENS, LOG_WAIT_S, CheckResult, ClusterInfo, ClusterVerifier, Progress,
-                          RequestReport, VerifyReport, check_prompts, cluster_info)
+from kvctl.verify import (DEFAULT_MAX_TOKENS, LOG_WAIT_S, CheckResult, ClusterVerifier, Progress,
+                          RequestReport, VerifyReport, prepare_run)
 
 ERROR_CHECK = "request_completed"  # the check a request that raised fails (HTTP error, dead server)
 _SUBJECTS = ("the lighthouse keeper", "a river barge", "the night train", "an old orchard",
@@ -134,14 +134,7 @@ def run_load(state: Any, prompts: Sequence[str], max_tokens: int = DEFAULT_MAX_T
 
     Raises BadInput for empty prompts, max_tokens < 1 or concurrency < 1.
     """
-    info = state if isinstance(state, ClusterInfo) else cluster_info(state)
-    prompts = check_prompts(prompts)
-    if max_tokens < 1:
-        raise BadInput(f"max tokens must be at least 1, got {max_tokens}", where="--max-tokens",
-                       fix="pass --max-tokens 16 (or any K >= 1)")
-    if concurrency < 1:
-        raise BadInput(f"concurrency must be at least 1, got {concurrency}", where="--concurrency",
-                       fix="pass --concurrency 8")
+    info, prompts = prepare_run(state, prompts, max_tokens, concurrency)
     total = len(prompts)
     report = progress or (lambda i, n, s: None)
 

@@ -607,6 +607,20 @@ def load_prompts_file(path: Path | str) -> list[str]:
         raise BadInput(e.what, where=f"{path}: {e.where}" if e.where else str(path), fix=e.fix) from None
 
 
+def prepare_run(state: Any, prompts: Sequence[str], max_tokens: int,
+                concurrency: int) -> tuple[ClusterInfo, list[str]]:
+    """The cluster's info and the checked prompts. Raises BadInput for a bad prompt, K or C."""
+    info = state if isinstance(state, ClusterInfo) else cluster_info(state)
+    prompts = check_prompts(prompts)
+    if max_tokens < 1:
+        raise BadInput(f"max tokens must be at least 1, got {max_tokens}", where="--max-tokens",
+                       fix="pass --max-tokens 16 (or any K >= 1)")
+    if concurrency < 1:
+        raise BadInput(f"concurrency must be at least 1, got {concurrency}", where="--concurrency",
+                       fix="pass --concurrency 8")
+    return info, prompts
+
+
 def verify_cluster(state: Any, prompts: Sequence[str] = DEFAULT_PROMPTS,
                    max_tokens: int = DEFAULT_MAX_TOKENS, progress: Progress | None = None, *,
                    concurrency: int = 1, log_wait_s: float = LOG_WAIT_S) -> VerifyReport:
@@ -615,13 +629,7 @@ def verify_cluster(state: Any, prompts: Sequence[str] = DEFAULT_PROMPTS,
     Raises BadInput for empty prompts or max_tokens < 1, RuntimeFailure when an
     instance cannot be reached or answers with an error.
     """
-    info = state if isinstance(state, ClusterInfo) else cluster_info(state)
-    prompts = check_prompts(prompts)
-    if max_tokens < 1:
-        raise BadInput(f"max tokens must be at least 1, got {max_tokens}", where="--max-tokens",
-                       fix="pass --max-tokens 16 (or any K >= 1)")
-    if concurrency < 1:
-        raise BadInput(f"concurrency must be at least 1, got {concurrency}", where="--concurrency")
+    info, prompts = prepare_run(state, prompts, max_tokens, concurrency)
     total = len(prompts)
     report = progress or (lambda i, n, s: None)
 
