@@ -12,10 +12,4 @@ AREAS = ("rig", "model", "cluster", "verify", "store", "validate", "scenario", "
 
 def register_all(app: typer.Typer) -> None:
     for area in AREAS:
-        try:
-            module = importlib.import_module(f"kvctl.commands.{area}")
-        except ModuleNotFoundError as e:
-            if e.name == f"kvctl.commands.{area}":
-                continue  # area not built yet
-            raise
-        module.register(app)
+        importlib.import_module(f"kvctl.commands.{area}").register(app)
