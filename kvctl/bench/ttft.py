@@ -137,6 +137,9 @@ def multi_config(store_a: Path, store_b: Path) -> dict:
             "kv_connector_extra_config": {"connectors": [child(store_a, True), child(store_b, False)]}}
 
 
+PROMPT_SLACK_TOKENS = 256  # max-model-len headroom over the largest requested prompt
+
+
 def _max_positions(model: Path) -> int | None:
     try:
         return int(json.loads((model / "config.json").read_text())["max_position_embeddings"])
@@ -260,8 +263,10 @@ def run(model: Path, sizes: list[int], repeat: int, progress: Progress = quiet,
     spec = build_1p1d_spec(name=name, model=model,
                            prefill_config=multi_config(cdir / "store", cdir / "store-b"),
                            decode_config=DEFAULT_CONFIG, timeout_s=timeout_s)
-    if need + 16 > spec.max_model_len:
-        spec = dataclasses.replace(spec, max_model_len=min(limit or need + 16, max(2048, need + 16)))
+    # Prompts are built to about each size; chat templating can add a few dozen tokens.
+    room = need + PROMPT_SLACK_TOKENS
+    if room > spec.max_model_len:
+        spec = dataclasses.replace(spec, max_model_len=min(limit or room, max(2048, room)))
     last_states: dict[str, str] = {}
 
     def on_launch(p) -> None:
