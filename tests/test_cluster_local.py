@@ -370,3 +370,13 @@ def test_bad_input_json_mode_prints_one_error_object(kvctl, kvctl_home):
     assert r.rc == 2, r
     err = json.loads(r.stdout)
     assert err["where"] == "--model" and err["exit_code"] == 2 and "not found" in err["error"]
+
+
+def test_launch_with_a_rig_override_that_points_nowhere_installs_nothing(kvctl, kvctl_home, tiny_model):
+    """A missing rig is installed first, except when KVCTL_RIG_PYTHON names one: that is the user's to fix."""
+    kvctl.env["KVCTL_RIG_PYTHON"] = "/nonexistent/python"
+    r = kvctl("launch", "1p1d", "--model", str(tiny_model))
+    assert r.rc == 2, r
+    assert "KVCTL_RIG_PYTHON" in r.stderr and "Traceback" not in r.stderr
+    assert "installing" not in r.stderr and not (kvctl_home / "rigs").exists()
+    assert not (kvctl_home / "clusters" / "default" / "cluster.json").exists()

@@ -24,6 +24,7 @@ from kvctl.cluster import (
     parse_config_option,
     parse_env_items,
 )
+from kvctl.commands.rig import ensure_rig
 from kvctl.errors import BadInput, ExitCode
 from kvctl.render import Output
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
@@ -133,6 +134,8 @@ def launch_1p1d_cmd(
         decode_env=parse_env_items(decode_env, "--decode-env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker)
     out.info(f"runtime: [bold]{chosen}[/bold] ({why}); model {spec.model}; store {spec.store}")
+    if chosen == "local":
+        ensure_rig(out)
     try:
         with _LaunchDisplay(out) as display:
             state = lifecycle.launch_1p1d(spec, progress=display)

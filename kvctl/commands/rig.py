@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import typer
@@ -11,6 +12,7 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 
 from kvctl import rig
+from kvctl.errors import BadInput
 from kvctl.render import Output
 
 rig_app = typer.Typer(
@@ -41,6 +43,22 @@ def install(json_out: bool = JSON_OPT) -> None:
     out.info(f"[bold green]rig {verb}[/bold green] in {info.total_s:.1f} s: "
              f"{escape(str(info.path))}")
     out.stdout.print(str(info.python), highlight=False)
+
+
+def ensure_rig(out: Output) -> None:
+    """Install the CPU rig first when it is missing (a local launch needs it).
+
+    A KVCTL_RIG_PYTHON that points nowhere is the user's to fix: BadInput.
+    """
+    try:
+        rig.rig_python()
+    except BadInput:
+        if os.environ.get("KVCTL_RIG_PYTHON"):
+            raise
+        out.info("the CPU rig is not installed: running `kvctl rig install` first "
+                 "(once; about 4 minutes and 7 GB)")
+        with _InstallReporter(out.stderr) as reporter:
+            rig.install(progress=reporter)
 
 
 @rig_app.command("python")

@@ -17,6 +17,7 @@ from rich.progress import (
 )
 
 from kvctl.commands.cluster import _LaunchDisplay
+from kvctl.commands.rig import ensure_rig
 from kvctl.commands.store import render_report as render_store
 from kvctl.commands.verify import render_report as render_verify
 from kvctl.errors import BadInput
@@ -98,6 +99,8 @@ def run_cmd(
     source = str(scenario_file(target))
     scenario = load_scenario(target)
     out.info(f"scenario [bold]{scenario.name}[/bold] ({source})")
+    if scenario.runtime == "local":
+        ensure_rig(out)
     with _RunDisplay(out) as display:
         report = run_scenario(scenario, display, keep=keep, source=source)
     if junit_xml is not None:
