@@ -123,7 +123,7 @@ class FSConnector(KVConnectorBase):
         for span in step.spans:
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
-            if self._already_stored(key):
+            if self.store.has_entry(key):
                 logger.info(SEND_LINE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)",
                             self.rank, key, len(tokens))
                 continue
@@ -156,18 +156,6 @@ class FSConnector(KVConnectorBase):
             self._last_failure, self._suppressed = (kind, now), 0
         else:
             self._suppressed += 1
-
-    def _already_stored(self, key: str) -> bool:
-        path = fmt.entry_path(self.root, key)
-        try:
-            fmt.parse_header(path)
-        except (OSError, fmt.EntryCorrupt):
-            return False
-        try:
-            os.utime(path)  # a hit keeps the entry recent for LRU eviction
-        except OSError:
-            pass
-        return True
 
     # -- consumer --
 

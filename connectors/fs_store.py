@@ -107,6 +107,20 @@ class FSStore:
             path = self._write(key, identity, blobs)
         return SaveResult(key, path, size, time.perf_counter() - start)
 
+    def has_entry(self, key: str) -> bool:
+        """An entry with a sound header is published under `key`; it counts as used (LRU).
+
+        Only the header is read: a producer asks this on every repeated prompt.
+        An entry whose data is damaged is found (and deleted) by the consumer.
+        """
+        path = fmt.entry_path(self.root, key)
+        try:
+            fmt.parse_header(path)
+        except (OSError, fmt.EntryCorrupt):
+            return False
+        _touch(path)
+        return True
+
     def _write(self, key: str, identity: fmt.KVIdentity, blobs: dict[str, fmt.TensorBlob]) -> Path:
         return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard)
 

@@ -140,3 +140,15 @@ def test_reader_racing_writer_never_sees_partial_entry(tmp_path):
     assert proc.exitcode == 0
     assert hits > 0
     assert not [p for p in tmp_path.iterdir() if fmt.is_temp_name(p.name)]
+
+
+def test_has_entry_reads_the_header_and_refreshes_recency(tmp_path):
+    store = FSStore(tmp_path)
+    ids, kv, hidden = make_entry()
+    path = store.save(IDENT, ids, kv, hidden).path
+    key = fmt.compute_key(IDENT, ids)
+    os.utime(path, (1, 1))
+    assert store.has_entry(key) and path.stat().st_mtime > 1
+    assert not store.has_entry(fmt.compute_key(IDENT, ids[:-1]))
+    path.write_bytes(b"\0" * 16)  # a damaged header is not an entry
+    assert not store.has_entry(key)
