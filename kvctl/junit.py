@@ -42,15 +42,20 @@ def verify_junit(report: VerifyReport, suite_name: str | None = None) -> ET.Elem
     return ET.ElementTree(root)
 
 
-def write_verify_junit(report: VerifyReport, path: Path | str) -> Path:
-    """Write the JUnit file. Raises BadInput when the path cannot be written."""
+def write_junit(tree: ET.ElementTree, path: Path | str) -> Path:
+    """Write a JUnit tree. Raises BadInput when the path cannot be written."""
     path = Path(path)
     try:
-        verify_junit(report).write(path, encoding="utf-8", xml_declaration=True)
+        tree.write(path, encoding="utf-8", xml_declaration=True)
     except OSError as e:
         raise BadInput(f"cannot write the JUnit file: {e}", where=str(path),
                        fix="pass --junit-xml a path in a writable, existing directory") from None
     return path
+
+
+def write_verify_junit(report: VerifyReport, path: Path | str) -> Path:
+    """Write verify's JUnit file. Raises BadInput when the path cannot be written."""
+    return write_junit(verify_junit(report), path)
 
 
 def _xml_safe(text: str) -> str:

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvctl.cluster import ClusterSpec, build_1p1d_spec, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError
-from kvctl.junit import verify_junit
+from kvctl.junit import verify_junit, write_junit
 from kvctl.launch import LaunchProgress, down, running_cluster, signals_interrupt
 from kvctl.paths import kvctl_home
 from kvctl.runtime import select_runtime
@@ -425,11 +425,5 @@ def _printable(text: str) -> str:
 
 
 def write_scenario_junit(report: ScenarioReport, path: Path | str) -> Path:
-    """Write the JUnit file. Raises BadInput when the path cannot be written."""
-    path = Path(path)
-    try:
-        scenario_junit(report).write(path, encoding="utf-8", xml_declaration=True)
-    except OSError as e:
-        raise BadInput(f"cannot write the JUnit file: {e}", where=str(path),
-                       fix="pass --junit-xml a path in a writable, existing directory") from None
-    return path
+    """Write the scenario's JUnit file. Raises BadInput when the path cannot be written."""
+    return write_junit(scenario_junit(report), path)

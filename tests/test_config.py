@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from seed_configs import SEED_D, SEED_P
 
 from connectors.config import (
     ConfigError,
@@ -19,14 +20,6 @@ from connectors.config import (
     parse_fs_settings,
     validate_kv_transfer_config,
 )
-
-# The seed's configs, verbatim.
-SEED_P = json.loads('{"kv_connector":"MultiConnectorV0","kv_role":"kv_both","kv_connector_extra_config":'
-                    '{"connectors":[{"kv_connector":"FSConnector","kv_role":"kv_producer",'
-                    '"kv_connector_extra_config":{"fs_storage_path":"fs_local_storage","transfer":true}},'
-                    '{"kv_connector":"LMCacheConnector","kv_role":"kv_both"}]}}')
-SEED_D = json.loads('{"kv_connector":"FSConnector","kv_role":"kv_consumer",'
-                    '"kv_connector_extra_config":{"fs_storage_path":"fs_local_storage"}}')
 
 CHILDREN = "$.kv_connector_extra_config.connectors"
 

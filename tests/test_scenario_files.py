@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from seed_configs import SEED_D, SEED_P
 
 from kvctl.errors import BadInput
 from kvctl.scenario import (
@@ -24,12 +25,6 @@ from kvctl.scenario import (
 
 SHIPPED = ("smoke-1p1d", "multi-1p1d", "seed-replica-gpu", "fs-1p1d-gpu")
 SEED_PROMPT = "Hello, how are you?" * 67
-SEED_P = json.loads('{"kv_connector":"MultiConnectorV0","kv_role":"kv_both","kv_connector_extra_config":'
-                    '{"connectors":[{"kv_connector":"FSConnector","kv_role":"kv_producer",'
-                    '"kv_connector_extra_config":{"fs_storage_path":"fs_local_storage","transfer":true}},'
-                    '{"kv_connector":"LMCacheConnector","kv_role":"kv_both"}]}}')
-SEED_D = json.loads('{"kv_connector":"FSConnector","kv_role":"kv_consumer",'
-                    '"kv_connector_extra_config":{"fs_storage_path":"fs_local_storage"}}')
 
 
 def raw(name: str) -> dict:
