@@ -74,7 +74,7 @@ def test_ttft_bench_smoke(kvctl, rig_python, tiny_model, vllm_slot, kvctl_home):
     doc = json.loads(r.stdout)
     _check_ratios(doc, TTFT_RATIOS)
     (size,) = doc["raw"]["sizes"]
-    assert abs(size["tokens"] - 48) <= 1
+    assert abs(size["tokens"] - 48) <= 3  # prompts are fitted by whole words
     assert size["first_token_match"] is True  # D's token from the stored hidden state == P's
     assert size["d_load_ms"] is not None  # D logged that it skipped its prefill
     assert not list((kvctl_home / "clusters").glob("*/cluster.json"))  # torn down

@@ -45,7 +45,7 @@ from kvctl.runtime.base import read_log_tail
 
 LOG_WAIT_S = 15.0  # log lines are flushed asynchronously after the HTTP answer
 LOG_TAIL_LINES = 40  # of each server's log, carried in an error (the logs go at teardown)
-FIT_TRIES = 8  # tokenize rounds to bring a prompt to its target length
+FIT_TRIES = 24  # tokenize rounds to bring a prompt to its target length
 _WORDS = (
     "the cache holds keys and values for every layer of the model while a prefill runs "
     "over the prompt and a decode step reads them back one token at a time store disk "
@@ -76,7 +76,10 @@ def fit_prompt(client: VLLMClient, target: int, tag: str) -> Prompt:
             best = Prompt(text, n)
         if abs(n - target) <= max(1, target // 100):
             return Prompt(text, n)
-        words = max(1, words + round((target - n) * words / max(n, 1)))
+        step = round((target - n) * words / max(n, 1))
+        if abs(target - n) <= max(8, target // 20):  # close: walk one word at a time, no overshoot
+            step = 1 if target > n else -1
+        words = max(1, words + step)
     if best is None:
         raise RuntimeFailure(f"could not build a prompt of about {target} tokens",
                              fix="use a larger --sizes value")
