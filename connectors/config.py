@@ -429,6 +429,16 @@ def _check_transfer_children(children: list, path: str, parent_role: str | None)
     return problems
 
 
+def fs_storage_paths(cfg: object) -> list[str]:
+    """Every fs_storage_path in a kv-transfer-config, MultiConnectorV0 children included."""
+    if isinstance(cfg, dict):
+        own = [cfg["fs_storage_path"]] if isinstance(cfg.get("fs_storage_path"), str) else []
+        return own + [p for v in cfg.values() for p in fs_storage_paths(v)]
+    if isinstance(cfg, list):
+        return [p for v in cfg for p in fs_storage_paths(v)]
+    return []
+
+
 def fs_store_path(cfg: object, direction: Literal["send", "recv"]) -> str | None:
     """The FS store directory that carries KV P->D in this config, or None.
 

@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from connectors.config import (ConfigError, fs_storage_paths, registered_v0_connectors,
+                               validate_kv_transfer_config)
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
 from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
@@ -246,8 +248,6 @@ def validate_kv_config(cfg: dict, option: str, env: Mapping[str, str]) -> None:
 
     `env` is the server's environment: KVCTL_EXTRA_CONNECTORS there adds names.
     """
-    from connectors.config import ConfigError, registered_v0_connectors, validate_kv_transfer_config
-
     try:
         registered = registered_v0_connectors({**os.environ, **env})
         validate_kv_transfer_config(cfg, registered=registered)
@@ -257,16 +257,6 @@ def validate_kv_config(cfg: dict, option: str, env: Mapping[str, str]) -> None:
         raise BadInput(f"invalid kv-transfer-config in {option}", where=option,
                        fix="correct the fields listed below (`kvctl validate` checks a config file)",
                        details="\n".join(lines) or str(e)) from None
-
-
-def _fs_paths(obj: Any) -> list[str]:
-    """Every fs_storage_path in a config, including MultiConnectorV0 children."""
-    if isinstance(obj, dict):
-        found = [obj["fs_storage_path"]] if isinstance(obj.get("fs_storage_path"), str) else []
-        return found + [p for v in obj.values() for p in _fs_paths(v)]
-    if isinstance(obj, list):
-        return [p for v in obj for p in _fs_paths(v)]
-    return []
 
 
 def model_dtype(model: Path) -> str:
@@ -361,7 +351,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     cdir = cluster_dir(name)
     configs = {"prefill": prefill_config, "decode": decode_config}
     user_paths = {str((cdir / p).resolve()) for c in configs.values()
-                  if isinstance(c, dict) for p in _fs_paths(c)}  # relative to the servers' cwd
+                  if isinstance(c, dict) for p in fs_storage_paths(c)}  # relative to the servers' cwd
     if store is not None:
         store_dir = store.expanduser().resolve()
         if user_paths - {str(store_dir)}:

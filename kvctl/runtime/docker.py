@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from connectors.config import fs_storage_paths
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.runtime.base import (
@@ -474,7 +475,7 @@ class DockerRuntime:
             mounts.append(Mount(target=str(spec.model), source=str(spec.model), type="bind",
                                 read_only=True))
         stores = [self.store] if self.store is not None else []
-        stores += [spec.cwd / p for p in _fs_storage_paths(spec.kv_transfer_config)]
+        stores += [spec.cwd / p for p in fs_storage_paths(spec.kv_transfer_config)]
         for path in dict.fromkeys(Path(os.path.normpath(p)) for p in stores):
             path.mkdir(parents=True, exist_ok=True)
             mounts.append(Mount(target=str(path), source=str(path), type="bind"))
@@ -559,16 +560,6 @@ class DockerRuntime:
                 continue
             removed += _remove_labelled(client, labels)
         return removed
-
-
-def _fs_storage_paths(cfg: Any) -> list[str]:
-    """Every fs_storage_path in a kv-transfer-config, MultiConnectorV0 children included."""
-    if isinstance(cfg, dict):
-        own = [cfg["fs_storage_path"]] if isinstance(cfg.get("fs_storage_path"), str) else []
-        return own + [p for v in cfg.values() for p in _fs_storage_paths(v)]
-    if isinstance(cfg, list):
-        return [p for v in cfg for p in _fs_storage_paths(v)]
-    return []
 
 
 def _container_tail(container: Any) -> list[str]:
