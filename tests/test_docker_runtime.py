@@ -223,6 +223,15 @@ def test_port_in_use_shows_the_engines_error_and_leaves_nothing(kvctl_home, main
 
 # ---- GPU plumbing (extra dockerd instances, no GPU, no vLLM) ---------------------------
 
+def _wait_for_log(path: Path, text: str, timeout: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        log = path.read_text()
+        if text in log or time.monotonic() > deadline:
+            return log
+        time.sleep(0.2)
+
+
 def test_gpu_requests_give_each_role_its_device(kvctl, kvctl_home, stub_dockerd, tiny_model):
     run = _on(kvctl, stub_dockerd.url)
     r = run("launch", "1p1d", "--runtime", "docker", "--image", FAKE_GPU_IMAGE, "--gpus", "1,0",
@@ -238,7 +247,8 @@ def test_gpu_requests_give_each_role_its_device(kvctl, kvctl_home, stub_dockerd,
             assert [d["DeviceIDs"] for d in requests] == [[gpu]]
             assert c.labels["kvctl.role"] == role and c.labels["kvctl.cluster"] == "default"
             # What the server process saw, through the log file kvctl streams it into.
-            log = Path(rec["log_path"]).read_text()
+            # The log follower streams container output asynchronously: give it a moment.
+            log = _wait_for_log(Path(rec["log_path"]), f"fake-vllm NVIDIA_VISIBLE_DEVICES={gpu}\n")
             assert f"fake-vllm NVIDIA_VISIBLE_DEVICES={gpu}\n" in log, log
             assert "--worker-cls" not in log.split("fake-vllm args:")[1].splitlines()[0]  # GPU image
         st = run("status", "--name", "default", "--json")
