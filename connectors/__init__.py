@@ -1,6 +1,13 @@
-"""KV connectors for vLLM V0: FSConnector and MultiConnectorV0.
+"""KV connectors for vLLM: FSConnector and MultiConnectorV0, and the FS store they share.
 
-Only `store_format` and `config` may be imported without torch and vLLM
-(kvctl uses them); the connector modules are loaded by vLLM through the
-plugin in `connectors.plugin`.
+Packages (each may import only those listed before it):
+
+    store/    the on-disk format (no torch, no vLLM), eviction, the torch-side store
+    config/   KV-transfer config: validation, the multi-connector topology (no torch, no vLLM)
+    v0/       vLLM V0 engine integration: connectors, KV layouts, batch slicing, CPU worker
+    logs.py   loggers named under "vllm.kvctl." (any package)
+    plugin.py the vllm.general_plugins entry point; registers the connectors lazily
+
+kvctl imports `store` and `config` only; `v0` is loaded by vLLM through the plugin.
+`connectors` never imports `kvctl`.
 """

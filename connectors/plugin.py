@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 import os
 
-from connectors.config import EXTRA_CONNECTORS_ENV, parse_extra_connectors
+from connectors.config.validate import EXTRA_CONNECTORS_ENV, parse_extra_connectors
 
 CONNECTORS = {
-    "FSConnector": ("connectors.fs_connector", "FSConnector"),
-    "MultiConnectorV0": ("connectors.multi_connector", "MultiConnectorV0"),
+    "FSConnector": ("connectors.v0.fs_connector", "FSConnector"),
+    "MultiConnectorV0": ("connectors.v0.multi_connector", "MultiConnectorV0"),
 }
 
 

@@ -1,7 +1,7 @@
 """Run `kvctl rig install`'s recipe inside an image build (Dockerfile.cpu).
 
 The system python of the base image has none of kvctl's CLI dependencies, so
-this calls kvctl.rig directly (it needs only the standard library). It prints
+this calls kvctl.provision.rig directly (it needs only the standard library). It prints
 one line per rig step, and links $KVCTL_HOME/venv to the rig's venv so the
 image has a stable interpreter path (/opt/kvctl/venv/bin/python).
 """
@@ -22,7 +22,7 @@ def main() -> int:
     parser.add_argument("--no-project", action="store_true", help="only the heavy steps")
     args = parser.parse_args()
     sys.path.insert(0, args.code)
-    from kvctl import rig
+    from kvctl.provision import rig
     from kvctl.errors import KvctlError
 
     spec = rig.load_spec(args.spec)

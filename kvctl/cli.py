@@ -2,7 +2,7 @@
 
 Commands live in `kvctl.commands.<area>` (one module per area, each with a
 `register(app)`); they parse options, call one library function and hand the
-result to a renderer in `kvctl.render`. Errors are caught only here.
+result to a renderer in `kvctl.views.output`. Errors are caught only here.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import typer
 
 from kvctl.commands import register_all
 from kvctl.errors import ExitCode, KvctlError
-from kvctl.render import Output
+from kvctl.views.output import Output
 
 app = typer.Typer(
     name="kvctl",

@@ -57,7 +57,7 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _find_rig() -> tuple[Path | None, str]:
     """The rig python ($KVCTL_RIG_PYTHON or the installed rig), or None and why."""
     from kvctl.errors import KvctlError
-    from kvctl.rig import rig_python
+    from kvctl.provision.rig import rig_python
 
     try:
         return rig_python(), ""
@@ -82,7 +82,7 @@ def rig_python() -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(shared_dir: Path) -> Path:
     """The tiny random Llama, written once per test run (file lock: xdist workers share it)."""
-    from kvctl.tiny_model import write_model
+    from kvctl.provision.tiny_model import write_model
 
     out = shared_dir / "tiny-model"
     with open(shared_dir / "tiny-model.lock", "w") as lock:
@@ -174,8 +174,8 @@ def kvctl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     if _RIG[0] is not None:
         monkeypatch.setenv("KVCTL_RIG_PYTHON", str(_RIG[0]))
     yield home
-    from kvctl.cluster import list_clusters
-    from kvctl.launch import down
+    from kvctl.cluster.spec import list_clusters
+    from kvctl.cluster.lifecycle import down
 
     for name in list_clusters():
         down(name)

@@ -63,7 +63,7 @@ def cpu_image(client: Any) -> str:
     """
     import docker.errors
 
-    from kvctl.images import default_image
+    from kvctl.provision.images import default_image
 
     tag = os.environ.get("KVCTL_TEST_CPU_IMAGE") or default_image("cpu")
     try:

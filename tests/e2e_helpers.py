@@ -11,8 +11,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from connectors import store_format as fmt
-from kvctl import markers
+from connectors.store import format as fmt
+from kvctl.verify import markers
 from kvctl.client import VLLMClient, user_messages
 
 
@@ -20,8 +20,8 @@ from kvctl.client import VLLMClient, user_messages
 def cluster_for_module(tmp_path_factory, shared_dir: Path, rig_python: Path, model: Path,
                        name: str, **spec_kwargs) -> Iterator["Cluster"]:
     """Launch a cluster for a whole test module (holding the run-wide vLLM slot), then tear down."""
-    from kvctl.cluster import build_1p1d_spec
-    from kvctl.launch import running_cluster
+    from kvctl.cluster.spec import build_1p1d_spec
+    from kvctl.cluster.lifecycle import running_cluster
 
     home = tmp_path_factory.mktemp(f"home-{name}")
     with open(shared_dir / "vllm-slot.lock", "w") as lock, pytest.MonkeyPatch.context() as mp:

@@ -11,8 +11,8 @@ import logging
 
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 
-from connectors.batch import split_prefills
-from connectors.kv_layout import CacheGeometry, select_layout
+from connectors.v0.batch import split_prefills
+from connectors.v0.kv_layout import CacheGeometry, select_layout
 
 log = logging.getLogger("vllm.kvctl.probe")
 

@@ -22,14 +22,14 @@ import httpx
 import pytest
 from conftest import group_alive, live_processes_under, pid_alive
 
-from kvctl.cluster import (
+from kvctl.cluster.spec import (
     ClusterState,
     InstanceRecord,
     build_1p1d_spec,
     save_cluster,
     utc_now,
 )
-from kvctl.launch import down, running_cluster
+from kvctl.cluster.lifecycle import down, running_cluster
 from kvctl.runtime.local import process_start_ticks
 
 

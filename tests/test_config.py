@@ -1,4 +1,4 @@
-"""connectors.config: what a vLLM server (and kvctl validate) accepts as --kv-transfer-config."""
+"""connectors.config.validate: what a vLLM server (and kvctl validate) accepts as --kv-transfer-config."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 from seed_configs import SEED_D, SEED_P
 
-from connectors.config import (
+from connectors.config.validate import (
     ConfigError,
     ConfigProblem,
     FSConnectorSettings,
@@ -189,7 +189,7 @@ def test_fs_store_path_picks_the_transfer_child():
 
 
 def test_imports_neither_torch_vllm_nor_kvctl():
-    code = ("import sys, connectors.config; "
+    code = ("import sys, connectors.config.validate; "
             "bad = [m for m in ('torch', 'vllm', 'kvctl') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 import pytest
 import vllm  # noqa: F401  (runs in the rig; a missing vLLM must fail, not skip)
 
-from connectors.config import ConfigError  # noqa: E402
-from connectors.fs_connector import _refuse_unsupported, _resolve_store_path  # noqa: E402
+from connectors.config.validate import ConfigError  # noqa: E402
+from connectors.v0.fs_connector import _refuse_unsupported, _resolve_store_path  # noqa: E402
 
 
 def vllm_config(prefix=False, chunked=False, pp=1):
@@ -66,7 +66,7 @@ def test_real_server_stops_with_the_message(rig_python, tiny_model, tmp_path, vl
            "--port", "0", "--host", "127.0.0.1", "--dtype", "float32", "--block-size", "16",
            "--max-model-len", "512", "--enforce-eager", "--disable-frontend-multiprocessing",
            "--enable-prefix-caching", "--no-enable-chunked-prefill",
-           "--worker-cls", "connectors.cpu_worker.KVTransferCPUWorker", "--kv-transfer-config", cfg]
+           "--worker-cls", "connectors.v0.cpu_worker.KVTransferCPUWorker", "--kv-transfer-config", cfg]
     out = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     log = out.stdout + out.stderr

@@ -28,9 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from connectors import store_format as fmt  # noqa: E402
-from connectors.eviction import published_entries  # noqa: E402
-from connectors.fs_store import FSStore  # noqa: E402
+from connectors.store import format as fmt  # noqa: E402
+from connectors.store.eviction import published_entries  # noqa: E402
+from connectors.store.fs_store import FSStore  # noqa: E402
 
 IDENT = fmt.KVIdentity(model="storm", num_layers=8, kv_parts=2, kv_heads=4, head_size=64, dtype="F32")
 BYTES_PER_TOKEN = 8 * 2 * 4 * 64 * 4  # 16 KiB of KV per token: 64..511 tokens = 1..8 MiB
@@ -108,7 +108,7 @@ def _naive_writer(root: str, first_seed: int, ready) -> None:
 def fork_ctx():
     """A fork server with torch and the store imported: a writer starts in ms, not seconds."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "connectors.fs_store", __name__])
+    ctx.set_forkserver_preload(["torch", "connectors.store.fs_store", __name__])
     return ctx
 
 

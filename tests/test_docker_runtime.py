@@ -39,7 +39,7 @@ from docker_helpers import (
     skip_or_fail,
 )
 
-from kvctl.verify import CHECKS
+from kvctl.verify.verifier import CHECKS
 
 pytestmark = pytest.mark.docker
 
@@ -70,7 +70,7 @@ def base_tag(main_engine) -> str:
     """The local Debian base (made by `kvctl image build cpu`); the GPU plumbing tests run on it."""
     import docker.errors
 
-    from kvctl.images import base_tag
+    from kvctl.provision.images import base_tag
 
     tag = base_tag()
     try:
@@ -167,7 +167,7 @@ def test_image_build_is_cached_by_content_and_gpu_dockerfile_builds_on_cpu_image
 
 def test_default_image_is_this_checkouts_cpu_image_and_gpu_latest_with_gpus():
     """Launches elsewhere pass --image: the content tag moves whenever a project file changes."""
-    from kvctl.images import default_image
+    from kvctl.provision.images import default_image
     from kvctl.runtime.docker import DockerOptions, DockerRuntime
 
     assert DockerRuntime().image_ref() == default_image("cpu")
@@ -245,7 +245,7 @@ def test_gpu_requests_give_each_role_its_device(kvctl, kvctl_home, stub_dockerd,
             c = stub_dockerd.client.containers.get(rec["container_id"])
             requests = c.attrs["HostConfig"]["DeviceRequests"]
             assert [d["DeviceIDs"] for d in requests] == [[gpu]]
-            assert c.labels["kvctl.role"] == role and c.labels["kvctl.cluster"] == "default"
+            assert c.labels["kvctl.role"] == role and c.labels["kvctl.cluster.spec"] == "default"
             # What the server process saw, through the log file kvctl streams it into.
             # The log follower streams container output asynchronously: give it a moment.
             log = _wait_for_log(Path(rec["log_path"]), f"fake-vllm NVIDIA_VISIBLE_DEVICES={gpu}\n")
@@ -291,7 +291,7 @@ def test_docker_1p1d_verifies_and_down_leaves_nothing(kvctl, kvctl_home, main_en
         for role, rec in state["instances"].items():
             c = main_engine.containers.get(rec["container_id"])
             assert c.image.tags and cpu_tag in c.image.tags
-            assert c.labels["kvctl.cluster"] == "default" and c.labels["kvctl.role"] == role
+            assert c.labels["kvctl.cluster.spec"] == "default" and c.labels["kvctl.role"] == role
             mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
             assert mounts[str(tiny_model)]["RW"] is False and mounts[store]["RW"] is True
             assert mounts[store]["Source"] == store  # the same store, same path, in P and D
@@ -300,7 +300,7 @@ def test_docker_1p1d_verifies_and_down_leaves_nothing(kvctl, kvctl_home, main_en
                 {"HostIp": "127.0.0.1", "HostPort": port}]
             assert c.attrs["HostConfig"]["IpcMode"] == "host"
             assert "VLLM_USE_V1=0" in c.attrs["Config"]["Env"]
-            assert "connectors.cpu_worker.KVTransferCPUWorker" in c.attrs["Config"]["Cmd"]
+            assert "connectors.v0.cpu_worker.KVTransferCPUWorker" in c.attrs["Config"]["Cmd"]
         v = kvctl("verify", "--json", timeout=VERIFY_TIMEOUT_S)
         assert v.rc == 0, v
         doc = json.loads(v.stdout)

@@ -23,8 +23,8 @@ import pytest
 from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 from tmpfs import mounted_tmpfs
 
-from connectors import store_format as fmt
-from kvctl import markers
+from connectors.store import format as fmt
+from kvctl.verify import markers
 from kvctl.client import user_messages
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
@@ -35,7 +35,7 @@ REPEAT = 27  # ~715 tokens: ~740 KB per entry, five fit in 4 MiB
 MAX_PROMPTS = 14
 FAILED_PROMPTS_WANTED = 4  # keep sending until this many prompts could not be stored
 FAILED_LINE = "KV send FAILED"
-FAILURE_LOG_INTERVAL_S = 30.0  # FSConnector's burst window (connectors.fs_connector)
+FAILURE_LOG_INTERVAL_S = 30.0  # FSConnector's burst window (connectors.v0.fs_connector)
 
 
 @pytest.fixture(scope="module")

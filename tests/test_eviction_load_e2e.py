@@ -3,7 +3,7 @@
 One cluster for the module (starting one costs ~40-60 s here): P's FSConnector
 has `max_bytes` = 5 MB, room for three ~1.35 MB entries of the eviction
 prompts (or ~60 of the short load prompts). A sampler thread holding the
-store's lock (connectors.eviction.store_lock, the one producers publish under)
+store's lock (connectors.store.eviction.store_lock, the one producers publish under)
 measures the published bytes throughout each test: the bound must never be
 exceeded, not even by one entry.
 
@@ -36,12 +36,12 @@ import pytest
 from conftest import Kvctl
 from e2e_helpers import cluster_for_module, redo_lines_for, skip_line_for
 
-from connectors import store_format as fmt
-from connectors.eviction import published_entries, store_lock
-from kvctl import markers
+from connectors.store import format as fmt
+from connectors.store.eviction import published_entries, store_lock
+from kvctl.verify import markers
 from kvctl.client import user_messages
-from kvctl.load import ERROR_CHECK, generate_prompts, percentile, summarise
-from kvctl.verify import CheckResult, RequestReport, VerifyReport, transfer_bytes
+from kvctl.verify.load_mode import ERROR_CHECK, generate_prompts, percentile, summarise
+from kvctl.verify.verifier import CheckResult, RequestReport, VerifyReport, transfer_bytes
 
 pytestmark = pytest.mark.xdist_group("vllm")
 e2e = pytest.mark.e2e

@@ -9,8 +9,8 @@ import time
 import pytest
 import torch
 
-from connectors import store_format as fmt  # noqa: E402
-from connectors.fs_store import FSStore, TokenMismatch  # noqa: E402
+from connectors.store import format as fmt  # noqa: E402
+from connectors.store.fs_store import FSStore, TokenMismatch  # noqa: E402
 
 IDENT = fmt.KVIdentity(model="m", num_layers=3, kv_parts=2, kv_heads=2, head_size=32,
                        dtype="BF16")

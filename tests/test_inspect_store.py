@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.store_format import (
+from connectors.store.format import (
     KVIdentity,
     TensorBlob,
     compute_key,
@@ -21,7 +21,7 @@ from connectors.store_format import (
     write_entry,
 )
 from kvctl.errors import BadInput
-from kvctl.store_inspect import fix_store, inspect_store, resolve_store_dir
+from kvctl.store.inspect import fix_store, inspect_store, resolve_store_dir
 
 IDENTITY = KVIdentity(model="tiny", num_layers=2, kv_parts=2, kv_heads=2, head_size=32, dtype="F32")
 HIDDEN = 64

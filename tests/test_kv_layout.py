@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from connectors.kv_layout import (  # noqa: E402
+from connectors.v0.kv_layout import (  # noqa: E402
     CacheGeometry,
     FlashAttentionLayout,
     FlashInferLayout,

@@ -13,8 +13,8 @@ VENV_PYTHON = Path(__file__).resolve().parent.parent / ".venv" / "bin" / "python
 PROBE = """
 import importlib.util, sys
 assert importlib.util.find_spec("torch") is None, "this venv is supposed to be torch-free"
-import kvctl.cli, kvctl.verify, kvctl.launch, kvctl.store_inspect, kvctl.scenario
-import connectors.store_format, connectors.config
+import kvctl.cli, kvctl.verify.verifier, kvctl.cluster.lifecycle, kvctl.store.inspect, kvctl.scenario.schema
+import connectors.store.format, connectors.config.validate
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm", "transformers"))
 assert not heavy, heavy
 print("light ok")

@@ -1,6 +1,6 @@
 """Log-line parsing on real-looking text: the seed's lines and our connectors' lines."""
 
-from kvctl import markers
+from kvctl.verify import markers
 
 KEY_A = "3f2a9c1b7e4d5a6b8c9d0e1f2a3b4c5d"
 KEY_B = "00112233445566778899aabbccddeeff"

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from kvctl import rig
-from kvctl.elf_patch import VER_FLG_WEAK, version_requirements
+from kvctl.provision import rig
+from kvctl.provision.elf_patch import VER_FLG_WEAK, version_requirements
 
 REQUIRE_RIG = os.environ.get("KVCTL_REQUIRE_RIG") == "1"
 PROBE = "kvctl_rig_probe"

@@ -14,7 +14,7 @@ import yaml
 from seed_configs import SEED_D, SEED_P
 
 from kvctl.errors import BadInput
-from kvctl.scenario import (
+from kvctl.scenario.schema import (
     CHECK_NAMES,
     Scenario,
     check_scenario,
@@ -211,7 +211,7 @@ def test_yaml_syntax_error_names_line(tmp_path):
 
 
 def test_scenario_module_does_not_import_vllm_or_torch():
-    code = ("import sys, kvctl.scenario; kvctl.scenario.load_scenario('seed-replica-gpu'); "
+    code = ("import sys, kvctl.scenario.schema; kvctl.scenario.schema.load_scenario('seed-replica-gpu'); "
             "print([m for m in ('torch', 'vllm') if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).parent).stdout

@@ -19,8 +19,8 @@ import yaml
 from conftest import live_processes_under
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.scenario import CHECK_NAMES, Scenario, scenarios_dir
-from kvctl.scenario_run import (
+from kvctl.scenario.schema import CHECK_NAMES, Scenario, scenarios_dir
+from kvctl.scenario.runner import (
     PHASES,
     PhaseResult,
     ScenarioReport,

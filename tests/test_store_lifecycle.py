@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from connectors import store_format as fmt  # noqa: E402
-from connectors.eviction import EntryTooLarge, evict, published_entries, store_lock  # noqa: E402
-from connectors.fs_store import FSStore  # noqa: E402
+from connectors.store import format as fmt  # noqa: E402
+from connectors.store.eviction import EntryTooLarge, evict, published_entries, store_lock  # noqa: E402
+from connectors.store.fs_store import FSStore  # noqa: E402
 
 IDENT = fmt.KVIdentity(model="m", num_layers=2, kv_parts=2, kv_heads=2, head_size=32, dtype="F32")
 TOKENS = 64

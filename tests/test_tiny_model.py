@@ -14,10 +14,10 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from kvctl import tiny_model as gen
+from kvctl.provision import tiny_model as gen
 from kvctl.cli import main
 from kvctl.errors import BadInput
-from kvctl.tiny_model import PRESETS, SPECIAL_TOKENS, ensure_default_model, write_model
+from kvctl.provision.tiny_model import PRESETS, SPECIAL_TOKENS, ensure_default_model, write_model
 
 FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
          "tokenizer_config.json", "special_tokens_map.json", gen.MARKER}

@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from conftest import Kvctl, pid_alive
 
-from connectors.store_format import entry_path
-from kvctl.verify import (
+from connectors.store.format import entry_path
+from kvctl.verify.verifier import (
     CHECKS,
     ClusterVerifier,
     check_output_matches_baseline,

@@ -19,19 +19,19 @@ from pathlib import Path
 
 import pytest
 
-from connectors.store_format import (
+from connectors.store.format import (
     KVIdentity,
     TensorBlob,
     compute_key,
     entry_path,
     write_entry,
 )
-from kvctl import markers
+from kvctl.verify import markers
 from kvctl.cli import main
 from kvctl.client import ChatResult
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.junit import verify_junit, write_verify_junit
-from kvctl.verify import (
+from kvctl.verify.junit import verify_junit, write_verify_junit
+from kvctl.verify.verifier import (
     CHECKS,
     CheckResult,
     ClusterInfo,
@@ -269,7 +269,7 @@ def test_junit_one_case_per_check(tmp_path):
     assert {c.get("name") for c in cases} == set(CHECKS)
     failed = [c for c in cases if c.find("failure") is not None]
     assert len(failed) == 1 and failed[0].get("name") == "decode_skipped_forward"
-    assert failed[0].get("classname") == "kvctl.verify.c1.request1"
+    assert failed[0].get("classname") == "kvctl.verify.verifier.c1.request1"
     assert "evidence <&>" in failed[0].find("failure").text
     assert verify_junit(sample_report()).getroot().find("testsuite").get("name") == "kvctl verify c1"
     with pytest.raises(BadInput):
@@ -410,7 +410,7 @@ def fake_cluster(tmp_path, monkeypatch):
         p = FakeInstance("prefill", store, tmp_path / name / "p.log")
         d = FakeInstance("decode", store, tmp_path / name / "d.log", **decode_kwargs)
         made.extend([p, d])
-        # the cluster.json contract of kvctl.cluster
+        # the cluster.json contract of kvctl.cluster.spec
         state = {"name": name, "runtime": "local", "model": "/models/tiny", "served_model_name": "tiny",
                  "store": str(store), "created": "2025-06-11T10:00:00+00:00", "instances": {
                      "prefill": {"role": "prefill", "url": p.url, "log_path": str(p.log), "cwd": str(store),

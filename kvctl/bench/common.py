@@ -186,7 +186,7 @@ def run_in_rig(module: str, params: dict, progress: Progress = quiet,
     `progress`. Raises BadInput when no rig is installed, RuntimeFailure when
     the bench fails or prints no JSON.
     """
-    from kvctl.rig import rig_python
+    from kvctl.provision.rig import rig_python
 
     python = rig_python()
     env = dict(os.environ)

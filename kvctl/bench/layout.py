@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from connectors.kv_layout import CacheGeometry, FlashAttentionLayout, KVLayout, PagedAttentionLayout
+from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, KVLayout, PagedAttentionLayout
 from kvctl.bench.common import Progress, best_of, gbps, rig_main, speed_ratio
 
 LAYOUTS: dict[str, type[KVLayout]] = {

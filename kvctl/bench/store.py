@@ -34,8 +34,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from connectors import store_format as fmt
-from connectors.fs_store import FSStore
+from connectors.store import format as fmt
+from connectors.store.fs_store import FSStore
 from kvctl.bench.common import Progress, best_of, gbps, rig_main, speed_ratio
 
 LAYERS, KV_HEADS, HEAD_SIZE, HIDDEN = 32, 8, 128, 4096

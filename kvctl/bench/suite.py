@@ -76,8 +76,8 @@ def run_ttft(tokens: list[int], repeat: int, model: Path | None, progress: Progr
     default, written on first use) and always tears it down.
     """
     from kvctl.bench import ttft
-    from kvctl.cluster import resolve_model
-    from kvctl.tiny_model import ensure_default_model
+    from kvctl.cluster.spec import resolve_model
+    from kvctl.provision.tiny_model import ensure_default_model
 
     if model is None:
         progress("ttft: the bench model (written on first use, ~1.2 GB)")

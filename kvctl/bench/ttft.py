@@ -37,7 +37,7 @@ import re
 import time
 from pathlib import Path
 
-from kvctl import markers
+from kvctl.verify import markers
 from kvctl.bench.common import Progress, quiet
 from kvctl.client import VLLMClient, user_messages
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
@@ -253,8 +253,8 @@ def run(model: Path, sizes: list[int], repeat: int, progress: Progress = quiet,
     Raises BadInput (model, sizes), RuntimeFailure (launch, requests, a
     transfer that did not happen).
     """
-    from kvctl.cluster import DEFAULT_CONFIG, build_1p1d_spec, cluster_dir
-    from kvctl.launch import running_cluster
+    from kvctl.cluster.spec import DEFAULT_CONFIG, build_1p1d_spec, cluster_dir
+    from kvctl.cluster.lifecycle import running_cluster
 
     limit = _max_positions(model)
     need = max(sizes) + 1

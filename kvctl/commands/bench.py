@@ -11,7 +11,7 @@ from rich.markup import escape
 from kvctl.bench import report, suite
 from kvctl.bench.common import check_repeat, parse_sizes
 from kvctl.errors import BadInput
-from kvctl.render import Output
+from kvctl.views.output import Output
 
 bench_app = typer.Typer(
     help="Benchmarks, reported as ratios of figures measured side by side in one run "

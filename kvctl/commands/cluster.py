@@ -1,6 +1,6 @@
 """`kvctl launch 1p1d`, `kvctl status`, `kvctl logs`, `kvctl down`.
 
-Each command parses options, calls one function of kvctl.launch, and renders
+Each command parses options, calls one function of kvctl.cluster.lifecycle, and renders
 the result (rich on stderr for people, one JSON object on stdout for --json).
 """
 
@@ -15,8 +15,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvctl import launch as lifecycle
-from kvctl.cluster import (
+from kvctl.cluster import lifecycle as lifecycle
+from kvctl.cluster.spec import (
     DEFAULT_NAME,
     DEFAULT_TIMEOUT_S,
     DEFAULT_WORKER_CLS,
@@ -26,7 +26,7 @@ from kvctl.cluster import (
 )
 from kvctl.commands.rig import ensure_rig
 from kvctl.errors import BadInput, ExitCode
-from kvctl.render import Output
+from kvctl.views.output import Output
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
 from kvctl.runtime.docker import docker_options
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import typer
 from rich.markup import escape
 
-from kvctl import images
-from kvctl.images import ImageEvent
-from kvctl.render import Output
+from kvctl.provision import images
+from kvctl.provision.images import ImageEvent
+from kvctl.views.output import Output
 
 image_app = typer.Typer(
     help="Container images for `--runtime docker`, tagged by a hash of their inputs "

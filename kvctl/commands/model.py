@@ -7,8 +7,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvctl import tiny_model
-from kvctl.render import Output
+from kvctl.provision import tiny_model
+from kvctl.views.output import Output
 
 model_app = typer.Typer(
     help="Write a random-weight Llama (HF format, offline BPE tokenizer with a chat "

@@ -11,9 +11,9 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvctl import rig
+from kvctl.provision import rig
 from kvctl.errors import BadInput
-from kvctl.render import Output
+from kvctl.views.output import Output
 
 rig_app = typer.Typer(
     help="The CPU rig: a venv with vLLM 0.9.2 (CPU, V0) and this project, under "

@@ -21,11 +21,11 @@ from kvctl.commands.rig import ensure_rig
 from kvctl.commands.store import render_report as render_store
 from kvctl.commands.verify import render_report as render_verify
 from kvctl.errors import BadInput
-from kvctl.launch import LaunchProgress
-from kvctl.render import Output, human_size
+from kvctl.cluster.lifecycle import LaunchProgress
+from kvctl.views.output import Output, human_size
 from kvctl.runtime import select_runtime
-from kvctl.scenario import list_scenarios, load_scenario, scenario_file
-from kvctl.scenario_run import (
+from kvctl.scenario.schema import list_scenarios, load_scenario, scenario_file
+from kvctl.scenario.runner import (
     PhaseResult,
     ScenarioProgress,
     ScenarioReport,

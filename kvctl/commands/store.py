@@ -10,10 +10,10 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from connectors.eviction import EvictionReport, evict, store_lock
+from connectors.store.eviction import EvictionReport, evict, store_lock
 from kvctl.errors import BadInput, ExitCode, RuntimeFailure
-from kvctl.render import Output, human_size
-from kvctl.store_inspect import (
+from kvctl.views.output import Output, human_size
+from kvctl.store.inspect import (
     TEMP_GRACE_S,
     FixResult,
     StoreReport,

@@ -11,10 +11,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from connectors.config import ConfigProblem, check_kv_transfer_config
+from connectors.config.validate import ConfigProblem, check_kv_transfer_config
 from kvctl.errors import BadInput, ExitCode
-from kvctl.render import Output
-from kvctl.scenario import SCENARIO_SUFFIXES, check_scenario, read_scenario_yaml, scenario_file
+from kvctl.views.output import Output
+from kvctl.scenario.schema import SCENARIO_SUFFIXES, check_scenario, read_scenario_yaml, scenario_file
 
 
 @dataclass

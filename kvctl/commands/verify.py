@@ -13,10 +13,10 @@ from rich.table import Table
 from rich.text import Text
 
 from kvctl.errors import BadInput, ExitCode
-from kvctl.junit import write_verify_junit
-from kvctl.load import LoadReport, generate_prompts, run_load
-from kvctl.render import Output
-from kvctl.verify import (CHECKS, DEFAULT_MAX_TOKENS, DEFAULT_PROMPTS, VerifyReport, check_prompts,
+from kvctl.verify.junit import write_verify_junit
+from kvctl.verify.load_mode import LoadReport, generate_prompts, run_load
+from kvctl.views.output import Output
+from kvctl.verify.verifier import (CHECKS, DEFAULT_MAX_TOKENS, DEFAULT_PROMPTS, VerifyReport, check_prompts,
                           load_cluster_info, load_prompts_file, verify_cluster)
 
 

@@ -1,7 +1,7 @@
 """DockerRuntime: each vLLM server in its own container, on one or two Docker engines.
 
 One container per role, made through the docker SDK (create → start), with
-- labels `kvctl.cluster`, `kvctl.role` and `kvctl.home` (our $KVCTL_HOME), by
+- labels `kvctl.cluster.spec`, `kvctl.role` and `kvctl.home` (our $KVCTL_HOME), by
   which teardown finds leftovers, and a name unique per cluster dir;
 - the same server command as the local runtime (base.vllm_server_args and
   vllm_server_env), run by the image's python (its `kvctl.python` label), with
@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from connectors.config import fs_storage_paths
+from connectors.config.validate import fs_storage_paths
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.runtime.base import (
@@ -75,8 +75,8 @@ DEFAULT_BIND = "127.0.0.1"
 DEFAULT_GPUS = ("0", "1")  # prefill, decode: used on a GPU image when --gpus is not given
 FOLLOWER_DRAIN_S = 5.0  # after a container stops: wait this long for its log follower
 LOG_TAIL_LINES = 30  # container log lines shown with a start failure
-CPU_WORKER_PREFIX = "connectors.cpu_worker."  # CPU-only worker classes (dropped on GPU images)
-LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME = "kvctl.cluster", "kvctl.role", "kvctl.home"
+CPU_WORKER_PREFIX = "connectors.v0.cpu_worker."  # CPU-only worker classes (dropped on GPU images)
+LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME = "kvctl.cluster.spec", "kvctl.role", "kvctl.home"
 # -------------------------------------------------------------------------------------
 
 _GPU_RE = re.compile(r"^\d+(\+\d+)*$")
@@ -414,7 +414,7 @@ class DockerRuntime:
     def image_ref(self) -> str:
         if self.options.image:
             return self.options.image
-        from kvctl import images
+        from kvctl.provision import images
 
         try:
             return images.default_image("gpu" if self.options.gpus else "cpu")

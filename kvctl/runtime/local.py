@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.rig import rig_python
+from kvctl.provision.rig import rig_python
 from kvctl.runtime.base import (
     ENTRYPOINT_MODULE,
     InstanceSpec,

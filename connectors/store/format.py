@@ -192,7 +192,7 @@ def build_header(identity: KVIdentity, blobs: dict[str, TensorBlob], data_checks
 
 
 class PublishGuard(Protocol):
-    """Hooks a bounded store puts around a write (connectors.eviction.BoundedPublish)."""
+    """Hooks a bounded store puts around a write (connectors.store.eviction.BoundedPublish)."""
 
     def before_write(self, nbytes: int) -> None: ...
 

@@ -2,7 +2,7 @@
 
 Producer (``kv_producer``/``kv_both``): after a prefill step, each request's
 KV (all layers) and hidden states are gathered from the paged cache into one
-token-major entry and published atomically (connectors.store_format).
+token-major entry and published atomically (connectors.store.format).
 
 Only the last prompt token's hidden state is stored: it is what samples the
 first generated token; every later token comes from the KV.
@@ -15,7 +15,7 @@ hidden state); otherwise nothing is taken from the store and the step
 recomputes. A miss, a corrupt entry or a token mismatch is logged with its
 reason.
 
-Config (``kv_connector_extra_config``, see connectors.config):
+Config (``kv_connector_extra_config``, see connectors.config.validate):
 ``fs_storage_path`` (relative paths resolve against the server's working
 directory), ``fsync``, ``model_id``. Prefix caching and chunked prefill make
 a step compute only part of a prompt; they are refused at start-up.
@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from connectors import store_format as fmt
-from connectors.batch import split_prefills, span_slots, span_tokens
-from connectors.config import ConfigError, ConfigProblem, parse_fs_settings
-from connectors.fs_store import FSStore, TokenMismatch, dtype_tag
-from connectors.kv_layout import CacheGeometry, KVLayout, select_layout
+from connectors.store import format as fmt
+from connectors.v0.batch import split_prefills, span_slots, span_tokens
+from connectors.config.validate import ConfigError, ConfigProblem, parse_fs_settings
+from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
+from connectors.v0.kv_layout import CacheGeometry, KVLayout, select_layout
 from connectors.logs import get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from connectors.config import (
+from connectors.config.validate import (
     FS_CONNECTOR,
     MULTI_CONNECTOR,
     RECEIVING_ROLES,

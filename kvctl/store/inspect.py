@@ -4,7 +4,7 @@
 each header claims and, when verified, whether its data checks out), temp
 leftovers and foreign files. `fix_store` removes what a `store check --fix`
 may remove: stale temp files and invalid entries, never foreign files. The
-format itself is connectors.store_format's (spec: docs/store-format.md).
+format itself is connectors.store.format's (spec: docs/store-format.md).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.store_format import (
+from connectors.store.format import (
     DTYPE_SIZES,
     ENTRY_SUFFIX,
     KEY_HEX_LEN,

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from connectors import store_format as fmt
+from connectors.store import format as fmt
 
 
 class EntryTooLarge(fmt.StoreError):

@@ -182,7 +182,7 @@ def base_tag() -> str:
 
 def rig_spec_json() -> bytes:
     """The rig pins for the image: this host's spec, with the image's own python."""
-    from kvctl.rig import default_spec
+    from kvctl.provision.rig import default_spec
 
     spec = dataclasses.replace(default_spec(), python="")
     return (json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n").encode()

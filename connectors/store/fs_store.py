@@ -1,4 +1,4 @@
-"""Save and load KV entries as torch tensors (format: connectors.store_format).
+"""Save and load KV entries as torch tensors (format: connectors.store.format).
 
 The torch half of the store: turns tensors into the format's byte buffers
 without extra copies, and reads an entry straight into a uint8 tensor whose
@@ -17,8 +17,8 @@ from typing import Sequence
 
 import torch
 
-from connectors import store_format as fmt
-from connectors.eviction import BoundedPublish
+from connectors.store import format as fmt
+from connectors.store.eviction import BoundedPublish
 
 logger = logging.getLogger(__name__)
 

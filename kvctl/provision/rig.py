@@ -38,7 +38,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
-from kvctl.elf_patch import ElfPatchError, make_version_weak
+from kvctl.provision.elf_patch import ElfPatchError, make_version_weak
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home, project_root
 

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from connectors.config import (ConfigError, fs_storage_paths, registered_v0_connectors,
+from connectors.config.validate import (ConfigError, fs_storage_paths, registered_v0_connectors,
                                validate_kv_transfer_config)
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_NAME = "default"
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
-DEFAULT_WORKER_CLS = "connectors.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
+DEFAULT_WORKER_CLS = "connectors.v0.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
 STATE_FILE = "cluster.json"
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -244,7 +244,7 @@ def default_kv_config(role: str, store: Path) -> dict:
 
 
 def validate_kv_config(cfg: dict, option: str, env: Mapping[str, str]) -> None:
-    """Validate with connectors.config; raises BadInput listing every problem.
+    """Validate with connectors.config.validate; raises BadInput listing every problem.
 
     `env` is the server's environment: KVCTL_EXTRA_CONNECTORS there adds names.
     """
@@ -275,9 +275,9 @@ def resolve_model(model: Path | None) -> Path:
     """
     if model is None:
         try:
-            from kvctl.tiny_model import ensure_default_model
+            from kvctl.provision.tiny_model import ensure_default_model
         except ModuleNotFoundError as e:
-            if e.name != "kvctl.tiny_model":
+            if e.name != "kvctl.provision.tiny_model":
                 raise
             raise BadInput("no default model in this kvctl yet", where="--model",
                            fix="pass --model PATH (a Hugging Face model directory)") from None

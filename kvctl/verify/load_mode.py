@@ -1,6 +1,6 @@
 """Load mode of `kvctl verify`: many distinct prompts through P then D, concurrently.
 
-Every request goes through kvctl.verify's per-request steps (P max_tokens=1,
+Every request goes through kvctl.verify.verifier's per-request steps (P max_tokens=1,
 entry check, D, baseline) and is checked against its own baseline; this
 module only generates the prompts, runs C clients at once, keeps going when
 one request fails, and summarises: throughput, p50/p99 latency of P and D,
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from kvctl.errors import BadInput, KvctlError
-from kvctl.verify import (DEFAULT_MAX_TOKENS, LOG_WAIT_S, CheckResult, ClusterVerifier, Progress,
+from kvctl.verify.verifier import (DEFAULT_MAX_TOKENS, LOG_WAIT_S, CheckResult, ClusterVerifier, Progress,
                           RequestReport, VerifyReport, prepare_run)
 
 ERROR_CHECK = "request_completed"  # the check a request that raised fails (HTTP error, dead server)

@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from kvctl.cluster import (
+from kvctl.cluster.spec import (
     STATE_FILE,
     ClusterSpec,
     ClusterState,

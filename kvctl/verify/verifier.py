@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from connectors.store_format import (EntryCorrupt, KVIdentity, compute_key, entry_path,
+from connectors.store.format import (EntryCorrupt, KVIdentity, compute_key, entry_path,
                                      parse_header, read_entry, token_ids_of)
-from kvctl import markers
+from kvctl.verify import markers
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
@@ -94,7 +94,7 @@ def _as_dict(state: Any) -> dict:
 
 
 def cluster_info(state: Any) -> ClusterInfo:
-    """ClusterInfo from kvctl.cluster's ClusterState (or its cluster.json dict).
+    """ClusterInfo from kvctl.cluster.spec's ClusterState (or its cluster.json dict).
 
     Raises BadInput naming the missing field.
     """
@@ -124,16 +124,16 @@ def cluster_info(state: Any) -> ClusterInfo:
 def load_cluster_info(name: str) -> ClusterInfo:
     """The named cluster's ClusterInfo. Raises BadInput for an unknown cluster."""
     try:
-        from kvctl.cluster import load_cluster
+        from kvctl.cluster.spec import load_cluster
     except ModuleNotFoundError as e:
-        if e.name != "kvctl.cluster":
+        if e.name != "kvctl.cluster.spec":
             raise
         return cluster_info(_read_cluster_json(name))
     return cluster_info(load_cluster(name))
 
 
 def _read_cluster_json(name: str) -> dict:
-    # Stand-in for kvctl.cluster.load_cluster until that module exists.
+    # Stand-in for kvctl.cluster.spec.load_cluster until that module exists.
     path = kvctl_home() / "clusters" / name / "cluster.json"
     try:
         return json.loads(path.read_text())

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from connectors.batch import split_prefills
-from connectors.config import ConfigError, validate_kv_transfer_config
+from connectors.v0.batch import split_prefills
+from connectors.config.validate import ConfigError, validate_kv_transfer_config
 from connectors.logs import get_logger
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase

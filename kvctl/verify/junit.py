@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kvctl.errors import BadInput
-from kvctl.verify import VerifyReport
+from kvctl.verify.verifier import VerifyReport
 
 FAILURE_MESSAGE_CHARS = 300  # the attribute is a one-line summary; the body has everything
 # Characters XML 1.0 forbids even escaped; random-model outputs can contain them.
@@ -29,7 +29,7 @@ def verify_junit(report: VerifyReport, suite_name: str | None = None) -> ET.Elem
     ET.SubElement(props, "property", name="baseline", value=report.baseline)
     ET.SubElement(props, "property", name="max_tokens", value=str(report.max_tokens))
     for i, request, check in cases:
-        case = ET.SubElement(suite, "testcase", classname=f"kvctl.verify.{report.cluster}.request{i}",
+        case = ET.SubElement(suite, "testcase", classname=f"kvctl.verify.verifier.{report.cluster}.request{i}",
                              name=check.name, time="0")
         if check.passed:
             ET.SubElement(case, "system-out").text = _xml_safe(check.evidence)

@@ -9,7 +9,7 @@ and send after it, in the GPU runner's order (vllm/worker/model_runner.py):
     recv (consumer, real prefill step) -> forward unless bypassed -> send
     (producer, real prefill step) -> logits -> sample
 
-Usage: ``--worker-cls connectors.cpu_worker.KVTransferCPUWorker``.
+Usage: ``--worker-cls connectors.v0.cpu_worker.KVTransferCPUWorker``.
 """
 
 from __future__ import annotations

@@ -36,15 +36,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvctl.cluster import ClusterSpec, build_1p1d_spec, cluster_dir
+from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError
-from kvctl.junit import verify_junit, write_junit
-from kvctl.launch import LaunchProgress, down, running_cluster, signals_interrupt
+from kvctl.verify.junit import verify_junit, write_junit
+from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster, signals_interrupt
 from kvctl.paths import kvctl_home
 from kvctl.runtime import select_runtime
-from kvctl.scenario import Scenario
-from kvctl.store_inspect import StoreReport, inspect_store
-from kvctl.verify import (
+from kvctl.scenario.schema import Scenario
+from kvctl.store.inspect import StoreReport, inspect_store
+from kvctl.verify.verifier import (
     ClusterVerifier,
     VerifyReport,
     check_prompts,
@@ -400,7 +400,7 @@ def scenario_junit(report: ScenarioReport) -> ET.ElementTree:
         tree = ET.ElementTree(root)
     assert suite is not None
     for phase in report.phases.values():
-        case = ET.SubElement(suite, "testcase", classname=f"kvctl.scenario.{report.scenario}",
+        case = ET.SubElement(suite, "testcase", classname=f"kvctl.scenario.schema.{report.scenario}",
                              name=f"phase {phase.name}", time=f"{phase.seconds or 0:.3f}")
         if phase.status in ("failed", "interrupted"):
             text = phase.detail

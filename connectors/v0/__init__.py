@@ -1,0 +1,11 @@
+"""vLLM V0 engine integration (vLLM 0.9.x; V0 was removed upstream in 0.10.1).
+
+    fs_connector.py     FSConnector: KV + hidden state to and from the FS store
+    multi_connector.py  MultiConnectorV0: several V0 connectors in one instance
+    kv_layout.py        gather/scatter adapters, one per V0 paged-cache layout
+    batch.py            slicing a V0 batch into per-request prefills
+    cpu_worker.py       the CPU worker with the GPU runner's recv -> forward -> send hooks
+
+May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.logs`.
+Loaded only inside vLLM processes (through `connectors.plugin`).
+"""

@@ -1,0 +1,5 @@
+"""Everything kvctl shows people or machines: the Output object and one renderer per result.
+
+May import: `kvctl.errors` and the result types of the library packages; never a command module.
+Library code never prints; commands hand results to a renderer here.
+"""
