@@ -41,6 +41,15 @@ def version() -> None:
     typer.echo(__version__)
 
 
+def cli_flag(field: str) -> str:
+    """The CLI spelling of a library field: `max_tokens` -> `--max-tokens`.
+
+    Every option is named after the field it sets, so one rule serves all
+    commands; scenario files map fields to their own paths (kvctl.scenario).
+    """
+    return "--" + field.replace("_", "-")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point. Returns (and exits with) an ExitCode."""
     debug = "--debug" in (argv if argv is not None else sys.argv[1:])
@@ -53,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if code == ExitCode.INTERRUPTED:  # a command that cleaned up after Ctrl-C itself
             out.stderr.print("[yellow]interrupted[/yellow]")
     except KvctlError as e:
-        out.error(e)
+        out.error(e.locate(cli_flag))
         if debug:
             raise
         code = e.exit_code

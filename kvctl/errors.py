@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import IntEnum
 
 
@@ -23,12 +24,27 @@ class KvctlError(Exception):
     exit_code: ExitCode = ExitCode.BAD_INPUT
 
     def __init__(self, what: str, *, where: str | None = None, fix: str | None = None,
-                 details: str | None = None):
+                 details: str | None = None, field: str | tuple[str, ...] | None = None):
         self.what = what
+        # Library code names the input at fault by its field name ("max_tokens",
+        # "prefill_config"); each front end turns that into what its user typed
+        # (a CLI flag, a scenario path) with `locate`. `where` is for places that
+        # are not inputs (a file, a JSON path inside a config).
+        self.fields: tuple[str, ...] = (field,) if isinstance(field, str) else tuple(field or ())
         self.where = where
         self.fix = fix
         self.details = details  # e.g. a log tail or pip output
         super().__init__(self.message)
+
+    def locate(self, name_of: "Callable[[str], str | None]") -> "KvctlError":
+        """Fill `where` from `fields` as a front end names them; returns self.
+
+        `name_of` maps a field to the user's spelling of it, or None when that
+        front end has no such input (then the field name itself is shown).
+        """
+        if self.where is None and self.fields:
+            self.where = ", ".join(name_of(f) or f for f in self.fields)
+        return self
 
     @property
     def message(self) -> str:
