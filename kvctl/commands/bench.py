@@ -11,6 +11,7 @@ from rich.markup import escape
 from kvctl.bench import report, suite
 from kvctl.bench.common import check_repeat, parse_sizes
 from kvctl.errors import BadInput
+from kvctl.options import json_option
 from kvctl.views.output import Output
 
 bench_app = typer.Typer(
@@ -20,7 +21,7 @@ bench_app = typer.Typer(
     no_args_is_help=True,
 )
 
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout (top-level \"ratios\").")
+JSON_OPT = json_option("Print one JSON object on stdout (top-level \"ratios\").")
 REPEAT_OPT = typer.Option(suite.REPEAT, "--repeat", help="Timed runs per figure; the best counts.")
 QUICK_OPT = typer.Option(False, "--quick", help="Small sizes only (a minute or two).")
 SIZES_OPT_HELP = "Comma-separated (or repeated) sizes"

@@ -8,6 +8,7 @@ import typer
 from rich.markup import escape
 
 from kvctl.provision import tiny_model
+from kvctl.options import JSON_OPT
 from kvctl.views.output import Output
 
 model_app = typer.Typer(
@@ -18,7 +19,7 @@ model_app = typer.Typer(
 
 OUT_OPT = typer.Option(..., "--out", help="Folder to write (new, empty, or an earlier kvctl model).")
 SEED_OPT = typer.Option(0, "--seed", min=0, help="Weight seed.")
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout.")
+
 
 
 def register(app: typer.Typer) -> None:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from kvctl.provision import rig
 from kvctl.errors import BadInput
+from kvctl.options import JSON_OPT
 from kvctl.views.output import Output
 
 rig_app = typer.Typer(
@@ -22,7 +23,7 @@ rig_app = typer.Typer(
     no_args_is_help=True,
 )
 
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout.")
+
 
 
 def register(app: typer.Typer) -> None:

@@ -22,6 +22,7 @@ from kvctl.commands.store import render_report as render_store
 from kvctl.commands.verify import render_report as render_verify
 from kvctl.errors import BadInput
 from kvctl.cluster.lifecycle import LaunchProgress
+from kvctl.options import JSON_OPT
 from kvctl.views.output import Output, human_size
 from kvctl.runtime import select_runtime
 from kvctl.scenario.schema import list_scenarios, load_scenario, scenario_file
@@ -43,7 +44,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(scenario_app, name="scenario")
 
 
-def list_cmd(json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout.")) -> None:
+def list_cmd(json_out: bool = JSON_OPT) -> None:
     """List the shipped scenarios and whether this machine can run them."""
     out = Output(json_mode=json_out)
     rows = [_describe(path) for path in list_scenarios()]

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from connectors.store.eviction import EvictionReport, evict, store_lock
 from kvctl.errors import BadInput, ExitCode, RuntimeFailure
+from kvctl.options import JSON_OPT
 from kvctl.views.output import Output, human_size
 from kvctl.store.inspect import (
     TEMP_GRACE_S,
@@ -26,7 +27,7 @@ store_app = typer.Typer(help="Check and maintain the FS KV store.", no_args_is_h
 
 DIR_ARG = typer.Argument(None, metavar="[DIR]", help="Store directory (default: the store of --name).")
 NAME_OPT = typer.Option(None, "--name", "-n", help="Cluster whose store to read (default: 'default').")
-JSON_OPT = typer.Option(False, "--json", help="Print one JSON object on stdout.")
+
 
 
 def register(app: typer.Typer) -> None:

@@ -13,6 +13,7 @@ from rich.text import Text
 
 from connectors.config.validate import ConfigProblem, check_kv_transfer_config
 from kvctl.errors import BadInput, ExitCode
+from kvctl.options import JSON_OPT
 from kvctl.views.output import Output
 from kvctl.scenario.schema import SCENARIO_SUFFIXES, check_scenario, read_scenario_yaml, scenario_file
 
@@ -40,7 +41,7 @@ def register(app: typer.Typer) -> None:
 def validate_cmd(
     target: str = typer.Argument(..., metavar="CONFIG_OR_SCENARIO",
                                  help="Inline JSON, @file.json, a .json file, or a scenario (YAML path or name)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_out: bool = JSON_OPT,
 ) -> None:
     """Validate a --kv-transfer-config (incl. MultiConnectorV0 children) or a scenario file.
 

@@ -15,6 +15,7 @@ from rich.text import Text
 from kvctl.errors import BadInput, ExitCode
 from kvctl.verify.junit import write_verify_junit
 from kvctl.verify.load_mode import LoadReport, generate_prompts, run_load
+from kvctl.options import JSON_OPT
 from kvctl.views.output import Output
 from kvctl.verify.verifier import (CHECKS, DEFAULT_MAX_TOKENS, DEFAULT_PROMPTS, VerifyReport, check_prompts,
                           load_cluster_info, load_prompts_file, verify_cluster)
@@ -34,7 +35,7 @@ def verify(
                                                                     "when > 1)."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Generate this many distinct prompts "
                                                                            "(load mode)."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+    json_out: bool = JSON_OPT,
     junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Also write JUnit XML here."),
 ) -> None:
     """Verify a running cluster: P sends KV, the store holds it, D skips its prefill, outputs match.
