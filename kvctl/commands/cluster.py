@@ -11,9 +11,7 @@ from enum import Enum
 from pathlib import Path
 
 import typer
-from rich.live import Live
 from rich.table import Table
-from rich.text import Text
 
 from kvctl.cluster import lifecycle as lifecycle
 from kvctl.cluster.spec import (
@@ -24,11 +22,12 @@ from kvctl.cluster.spec import (
     parse_config_option,
     parse_env_items,
 )
-from kvctl.commands.rig import ensure_rig
 from kvctl.errors import BadInput, ExitCode
-from kvctl.views.output import Output
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
 from kvctl.runtime.docker import docker_options
+from kvctl.views.cluster import LaunchDisplay
+from kvctl.views.output import Output
+from kvctl.views.rig import ensure_rig
 
 
 class Role(str, Enum):
@@ -37,50 +36,6 @@ class Role(str, Enum):
 
 
 _NAME_HELP = "Cluster name (its state lives in $KVCTL_HOME/clusters/NAME)."
-
-
-class _LaunchDisplay:
-    """Renders LaunchProgress: a live table on a terminal, state changes otherwise."""
-
-    def __init__(self, out: Output):
-        self.out = out
-        self.live: Live | None = None
-        self.seen: dict[str, str] = {}
-
-    def __enter__(self) -> _LaunchDisplay:
-        if self.out.stderr.is_terminal:
-            self.live = Live(Text("starting servers..."), console=self.out.stderr,
-                             refresh_per_second=4, transient=False)
-            self.live.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.live is not None:
-            self.live.__exit__(None, None, None)
-
-    def __call__(self, p: lifecycle.LaunchProgress) -> None:
-        if self.live is not None:
-            self.live.update(self._table(p))
-            return
-        for role, rp in p.roles.items():
-            if self.seen.get(role) != rp.state:
-                self.seen[role] = rp.state
-                self.out.info(f"{role}: {rp.state} ({p.elapsed_s:.1f} s)")
-
-    @staticmethod
-    def _table(p: lifecycle.LaunchProgress) -> Table:
-        table = Table(title=f"launching cluster {p.cluster!r}  {p.elapsed_s:5.1f} s",
-                      title_justify="left", expand=True)
-        table.add_column("role", no_wrap=True)
-        table.add_column("state", no_wrap=True)
-        table.add_column("ready", no_wrap=True)
-        table.add_column("last log line", overflow="ellipsis", no_wrap=True, ratio=1)
-        colours = {"starting": "yellow", "healthy": "green", "failed": "red"}
-        for role, rp in p.roles.items():
-            table.add_row(role, Text(rp.state, style=colours.get(rp.state, "")),
-                          f"{rp.ready_s:.1f} s" if rp.ready_s is not None else "",
-                          Text(rp.last_line))
-        return table
 
 
 def launch_1p1d_cmd(
@@ -137,7 +92,7 @@ def launch_1p1d_cmd(
     if chosen == "local":
         ensure_rig(out)
     try:
-        with _LaunchDisplay(out) as display:
+        with LaunchDisplay(out) as display:
             state = lifecycle.launch_1p1d(spec, progress=display)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: launch has cleaned up already
         out.info(f"[yellow]interrupted[/yellow] ({e or 'SIGINT'}): stopped the servers of cluster "

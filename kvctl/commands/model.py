@@ -7,8 +7,8 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from kvctl.provision import tiny_model
 from kvctl.options import JSON_OPT
+from kvctl.provision import tiny_model
 from kvctl.views.output import Output
 
 model_app = typer.Typer(

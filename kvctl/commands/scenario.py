@@ -16,16 +16,10 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kvctl.commands.cluster import _LaunchDisplay
-from kvctl.commands.rig import ensure_rig
-from kvctl.commands.store import render_report as render_store
-from kvctl.commands.verify import render_report as render_verify
-from kvctl.errors import BadInput
 from kvctl.cluster.lifecycle import LaunchProgress
+from kvctl.errors import BadInput
 from kvctl.options import JSON_OPT
-from kvctl.views.output import Output, human_size
 from kvctl.runtime import select_runtime
-from kvctl.scenario.schema import list_scenarios, load_scenario, scenario_file
 from kvctl.scenario.runner import (
     PhaseResult,
     ScenarioProgress,
@@ -33,6 +27,12 @@ from kvctl.scenario.runner import (
     run_scenario,
     write_scenario_junit,
 )
+from kvctl.scenario.schema import list_scenarios, load_scenario, scenario_file
+from kvctl.views.cluster import LaunchDisplay
+from kvctl.views.output import Output, human_size
+from kvctl.views.rig import ensure_rig
+from kvctl.views.store import render_store_report as render_store
+from kvctl.views.verify import render_verify_report as render_verify
 
 scenario_app = typer.Typer(help="Run declarative scenarios: launch, verify, inspect the store, tear down.",
                            no_args_is_help=True)
@@ -155,7 +155,7 @@ class _RunDisplay(ScenarioProgress):
     def __init__(self, out: Output):
         self.out = out
         self.terminal = out.stderr.is_terminal
-        self.launch_display: _LaunchDisplay | None = None
+        self.launch_display: LaunchDisplay | None = None
         self.bar: Progress | None = None
         self.task = None
         self.request_t0 = 0.0
@@ -176,7 +176,7 @@ class _RunDisplay(ScenarioProgress):
 
     def phase_started(self, phase: PhaseResult) -> None:
         if phase.name == "launch":
-            self.launch_display = _LaunchDisplay(self.out).__enter__()
+            self.launch_display = LaunchDisplay(self.out).__enter__()
         elif phase.name == "verify" and self.terminal:
             self.bar = Progress(TextColumn("[bold]verify[/bold] {task.description}"), BarColumn(),
                                 MofNCompleteColumn(), TimeElapsedColumn(), console=self.out.stderr,

@@ -2,32 +2,26 @@
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import typer
-from rich import box
-from rich.markup import escape
-from rich.table import Table
 
-from connectors.store.eviction import EvictionReport, evict, store_lock
+from connectors.store.eviction import evict, store_lock
 from kvctl.errors import BadInput, ExitCode, RuntimeFailure
 from kvctl.options import JSON_OPT
-from kvctl.views.output import Output, human_size
 from kvctl.store.inspect import (
     TEMP_GRACE_S,
-    FixResult,
-    StoreReport,
     fix_store,
     inspect_store,
     resolve_store_dir,
 )
+from kvctl.views.output import Output
+from kvctl.views.store import render_fix, render_prune, render_store_report
 
 store_app = typer.Typer(help="Check and maintain the FS KV store.", no_args_is_help=True)
 
 DIR_ARG = typer.Argument(None, metavar="[DIR]", help="Store directory (default: the store of --name).")
 NAME_OPT = typer.Option(None, "--name", "-n", help="Cluster whose store to read (default: 'default').")
-
 
 
 def register(app: typer.Typer) -> None:
@@ -52,7 +46,7 @@ def inspect_store_cmd(
     if json_out:
         out.emit_json(report.to_json())
     else:
-        render_report(report, out)
+        render_store_report(report, out)
     if verify and report.invalid:
         raise typer.Exit(int(ExitCode.CHECK_FAILED))
 
@@ -79,7 +73,7 @@ def check_cmd(
         out.emit_json({**after.to_json(), "fix": fixed.to_json() if fixed else None,
                        "passed": after.problems == 0})
     else:
-        render_report(report, out)
+        render_store_report(report, out)
         if fixed:
             render_fix(fixed, out)
         verdict = "[green]store OK[/green]" if after.problems == 0 else (
@@ -129,57 +123,3 @@ def prune_cmd(
 # ---------------------------------------------------------------- rendering
 
 
-
-def _when(ts: float | None) -> str:
-    """Time of day for today's entries, the date for older ones."""
-    if not ts:
-        return "-"
-    same_day = time.localtime(ts)[:3] == time.localtime()[:3]
-    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d", time.localtime(ts))
-
-
-def render_report(report: StoreReport, out: Output) -> None:
-    table = Table(title=escape(f"FS store {report.root}"), title_justify="left", box=box.SIMPLE_HEAD,
-                  collapse_padding=True, pad_edge=False)
-    right = {"justify": "right"}
-    for col, kw in (("key", {"no_wrap": True}), ("tokens", right), ("layers", right), ("kv heads", right),
-                    ("head size", right), ("dtype", {}), ("bytes", {**right, "no_wrap": True}),
-                    ("created", {"no_wrap": True}), ("valid", {"no_wrap": True})):
-        table.add_column(col, **kw)
-    for e in report.entries:
-        ident = e.identity
-        valid = {True: "[green]yes[/green]", False: "[red]NO[/red]", None: "[dim]unread[/dim]"}[e.valid]
-        table.add_row(e.key[:10] + "…", str(e.num_tokens) if ident else "?",
-                      str(ident.num_layers) if ident else "?", str(ident.kv_heads) if ident else "?",
-                      str(ident.head_size) if ident else "?", ident.dtype if ident else "?",
-                      human_size(e.bytes), _when(e.created), valid)
-    out.stdout.print(table)
-    for e in report.invalid:
-        out.stdout.print(f"[red]invalid[/red] {escape(e.path.name)}: {escape(e.error or '')}", highlight=False)
-    for t in report.temp_files:
-        out.stdout.print(f"[yellow]temp leftover[/yellow] {escape(t.path.name)} ({human_size(t.bytes)}, "
-                         f"{t.age_s:.0f}s old)", highlight=False)
-    for f in report.foreign_files:
-        kind = "foreign dir" if f.is_dir else "foreign file"
-        size = "" if f.is_dir else f" ({human_size(f.bytes)})"
-        out.stdout.print(f"[yellow]{kind}[/yellow] {escape(f.path.name)}{size}",
-                         highlight=False)
-    valid = sum(1 for e in report.entries if e.valid)
-    checked = f", {valid} valid, {len(report.invalid)} invalid" if report.verified else (
-        f", {len(report.invalid)} invalid (add --verify to check data)")
-    n = len(report.entries)
-    out.stdout.print(f"{n} entr{'y' if n == 1 else 'ies'}, {human_size(report.total_bytes)}{checked}; "
-                     f"{len(report.temp_files)} temp, {len(report.foreign_files)} foreign", highlight=False)
-
-
-def render_fix(fixed: FixResult, out: Output) -> None:
-    for path, reason in fixed.removed:
-        out.stdout.print(f"[green]removed[/green] {escape(path.name)}: {escape(reason)}", highlight=False)
-    for path, reason in fixed.kept:
-        out.stdout.print(f"[dim]kept[/dim] {escape(path.name)}: {escape(reason)}", highlight=False)
-
-
-def render_prune(report: EvictionReport, out: Output) -> None:
-    n = len(report.removed)
-    out.stdout.print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({human_size(report.freed_bytes)}); "
-                     f"{human_size(report.total_bytes)} of entries left", highlight=False)

@@ -14,8 +14,13 @@ from rich.text import Text
 from connectors.config.validate import ConfigProblem, check_kv_transfer_config
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import JSON_OPT
+from kvctl.scenario.schema import (
+    SCENARIO_SUFFIXES,
+    check_scenario,
+    read_scenario_yaml,
+    scenario_file,
+)
 from kvctl.views.output import Output
-from kvctl.scenario.schema import SCENARIO_SUFFIXES, check_scenario, read_scenario_yaml, scenario_file
 
 
 @dataclass
