@@ -1,0 +1,182 @@
+"""The layering rules of docs/architecture.md, read from the source with `ast`.
+
+Every import counts, including the ones inside functions: a cycle hidden in a
+function-level import is still a cycle a newcomer trips over.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("kvctl", "connectors")
+# Modules of kvctl that run inside the rig (torch) when the bench runs them there.
+RIG_SIDE = {"kvctl.bench.store", "kvctl.bench.layout"}
+# Front ends: the only modules that may spell a CLI flag in an error.
+CLI_LAYER = re.compile(r"^kvctl\.(cli|options|commands(\..*)?)$")
+ERROR_CLASSES = {"KvctlError", "BadInput", "RuntimeFailure", "CheckFailed", "ConfigError"}
+FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]+")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, ast.Module]:
+    found = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            found[_module_name(path)] = ast.parse(path.read_text(), str(path))
+    return found
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, tree: ast.Module) -> set[str]:
+    """Our modules that `name` imports anywhere in its body (functions included)."""
+    package = name if (ROOT / Path(*name.split(".")) / "__init__.py").exists() else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from a.b import c` imports the submodule a.b.c when there is one.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in MODULES:  # `import a.b.C` style: the longest module prefix
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+GRAPH = {name: _imports(name, tree) for name, tree in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    sccs: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                sccs.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sccs
+
+
+def _is_package_of(pkg: str, mod: str) -> bool:
+    return mod.startswith(pkg + ".")
+
+
+def test_no_import_cycles():
+    # A package's __init__ importing its own submodules is how packages work;
+    # drop those edges (package -> own child) and look for any other cycle.
+    graph = {m: {t for t in ts if not _is_package_of(m, t)} for m, ts in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def test_cycle_detector_sees_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_command_imports_another_command():
+    offenders = {(m, t) for m, ts in GRAPH.items() if m.startswith("kvctl.commands.")
+                 for t in ts if t.startswith("kvctl.commands")}
+    assert offenders == set()
+
+
+def test_connectors_never_import_kvctl():
+    assert {(m, t) for m, ts in GRAPH.items() if m.startswith("connectors")
+            for t in ts if t.startswith("kvctl")} == set()
+
+
+def _third_party(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("heavy", ["torch", "vllm"])
+def test_kvctl_never_imports_torch_or_vllm(heavy):
+    offenders = sorted(m for m, tree in MODULES.items()
+                       if m.startswith("kvctl") and m not in RIG_SIDE and heavy in _third_party(tree))
+    assert offenders == []
+
+
+def _flag_strings(call: ast.Call) -> list[str]:
+    """Flag-like words in the string constants of an error constructor's arguments."""
+    found = []
+    for arg in [*call.args, *(k.value for k in call.keywords)]:
+        for node in ast.walk(arg):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found += FLAG.findall(node.value)
+    return found
+
+
+def _error_calls(tree: ast.Module):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name in ERROR_CLASSES:
+                yield node
+
+
+def test_library_errors_name_fields_not_cli_flags():
+    offenders = [f"{m}:{call.lineno}: {flags}" for m, tree in MODULES.items() if not CLI_LAYER.match(m)
+                 for call in _error_calls(tree) if (flags := _flag_strings(call))]
+    assert offenders == []
+
+
+def test_flag_detector_sees_a_flag():
+    call = ast.parse('BadInput(f"bad {x}", where="--max-tokens", fix="use --runtime local")').body[0].value
+    assert _flag_strings(call) == ["--max-tokens", "--runtime"]
+
+
+def test_every_package_says_what_lives_there():
+    for name, tree in MODULES.items():
+        if (ROOT / Path(*name.split(".")) / "__init__.py").exists():
+            doc = ast.get_docstring(tree) or ""
+            assert len(doc) > 40, f"{name}/__init__.py needs a docstring: what lives there, what it may import"
