@@ -11,6 +11,7 @@ import logging
 
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 
+from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.batch import split_prefills
 from connectors.v0.kv_layout import CacheGeometry, select_layout
 
@@ -23,12 +24,13 @@ class ProbeConnector(KVConnectorBase):
         mc = config.model_config
         self.geometry = CacheGeometry(config.cache_config.block_size,
                                       mc.get_num_kv_heads(config.parallel_config), mc.get_head_size())
+        self.attn_backend = kv_cache_backend_name(config)
 
     def send_kv_caches_and_hidden_states(self, model_executable, model_input, kv_caches,
                                          hidden_or_intermediate_states):
         spans = split_prefills(model_input).spans
         slots = model_input.attn_metadata.slot_mapping.flatten()[: spans[-1].end]
-        layout = select_layout(kv_caches[0], self.geometry)
+        layout = select_layout(kv_caches[0], self.geometry, self.attn_backend)
         kv_sum = sum(float(layout.gather(c, slots).double().sum()) for c in kv_caches)
         hidden = hidden_or_intermediate_states
         log.info("probe %s send: hidden_id=%d hidden_sum=%.6f kv_id=%d kv_sum=%.6f "

@@ -2,7 +2,9 @@
 
 Producer (``kv_producer``/``kv_both``): after a prefill step, each request's
 KV (all layers) and hidden states are gathered from the paged cache into one
-token-major entry and published atomically (connectors.store.format).
+token-major entry and published atomically (connectors.store.format). The
+paged cache's layout adapter (connectors.v0.kv_layout) is chosen by the
+worker's attention backend, checked against the cache's shape.
 
 Only the last prompt token's hidden state is stored: it is what samples the
 first generated token; every later token comes from the KV.
@@ -34,7 +36,9 @@ from connectors.store import format as fmt
 from connectors.v0.batch import split_prefills, span_slots, span_tokens
 from connectors.config.validate import ConfigError, ConfigProblem, parse_fs_settings
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
-from connectors.v0.kv_layout import CacheGeometry, KVLayout, select_layout
+from connectors.v0.attn_backend import kv_cache_backend_name
+from connectors.v0.kv_layout import (CacheGeometry, KVLayout, UnsupportedLayout, layout_for_backend,
+                                     select_layout)
 from connectors.logs import get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -64,6 +68,13 @@ class FSConnector(KVConnectorBase):
             self.root = _resolve_store_path(self.settings.fs_storage_path)
         except ConfigError as e:
             logger.error("FSConnector: cannot start:\n%s", e)
+            raise
+        # The attention backend decides the cache layout (its shape alone can be ambiguous).
+        self.attn_backend = kv_cache_backend_name(config)
+        try:
+            layout_for_backend(self.attn_backend)
+        except UnsupportedLayout as e:
+            logger.error("FSConnector: cannot start: %s", e)
             raise
         self.is_producer = kv_config.is_kv_producer
         self.is_consumer = kv_config.is_kv_consumer
@@ -97,13 +108,14 @@ class FSConnector(KVConnectorBase):
         if self._identity is None:
             if len(kv_caches) != self.num_layers:
                 raise ValueError(f"got {len(kv_caches)} KV caches for {self.num_layers} layers")
-            self._layout = select_layout(kv_caches[0], self.geometry)
+            self._layout = select_layout(kv_caches[0], self.geometry, self.attn_backend)
             self._identity = fmt.KVIdentity(
                 model=self.model_id, num_layers=self.num_layers,
                 kv_parts=self._layout.kv_parts, kv_heads=self.geometry.kv_heads,
                 head_size=self.geometry.head_size, dtype=dtype_tag(kv_caches[0].dtype),
                 tp_rank=self.tp_rank, tp_size=self.tp_size)
-            logger.info("FSConnector layout: %s, identity %s", self._layout.name, self._identity)
+            logger.info("FSConnector layout: %s (attention backend %s), identity %s",
+                        self._layout.name, self.attn_backend, self._identity)
         return self._identity, self._layout
 
     # -- producer --

@@ -5,12 +5,20 @@ per layer, whatever the paged layout; one adapter per V0 cache layout
 translates slots (``block * block_size + offset``) to and from it. Shapes come
 from each backend's ``get_kv_cache_shape`` in vLLM 0.9.2:
 
-    PagedAttention (CPU TORCH_SDPA, XFORMERS, ROCM)  [2, blocks, block_size * heads * head_size]
+    PagedAttention (TORCH_SDPA and IPEX on CPU,      [2, blocks, block_size * heads * head_size]
+      XFORMERS, ROCM_FLASH, BLOCK_SPARSE_FLASH_ATTN)
         key view   [blocks, heads, head_size // x, block_size, x], x = 16 // element_size
         value view [blocks, heads, head_size, block_size]
-    FLASH_ATTN                                       [2, blocks, block_size, heads, head_size]
+    FLASH_ATTN, DUAL_CHUNK_FLASH_ATTN                [2, blocks, block_size, heads, head_size]
     FLASHINFER                                       [blocks, 2, block_size, heads, head_size]
-    MLA backends                                     [blocks, block_size, head_size] (one latent)
+    MLA backends (TRITON_MLA, FLASHMLA, CPU_MLA, ..) [blocks, block_size, head_size] (one latent)
+
+The adapter is chosen by the attention backend's name (what its
+``get_name()`` returns, e.g. ``FLASH_ATTN``); the shape only confirms it.
+Shape alone is ambiguous: a FlashAttention cache with 2 blocks,
+``[2, 2, bs, heads, d]``, is also a valid FlashInfer cache.
+
+Imports torch only (no vLLM): `kvctl.bench.layout` runs these adapters too.
 """
 
 from __future__ import annotations
@@ -36,9 +44,23 @@ class KVLayout:
 
     name = "abstract"
     kv_parts = 2
+    blocks_dim = 1  # where num_blocks sits in the cache shape
 
     def __init__(self, geometry: CacheGeometry):
         self.g = geometry
+
+    @classmethod
+    def cache_shape(cls, num_blocks: int | str, g: CacheGeometry) -> tuple[int | str, ...]:
+        """The cache shape this layout's backends allocate (their ``get_kv_cache_shape``).
+
+        A string `num_blocks` names the dimension in error messages.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def fits(cls, cache: torch.Tensor, g: CacheGeometry) -> bool:
+        s = tuple(cache.shape)
+        return len(s) > cls.blocks_dim and s == cls.cache_shape(s[cls.blocks_dim], g)
 
     def gather(self, cache: torch.Tensor, slots: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -104,6 +126,10 @@ def _move_unit(*tensors: torch.Tensor) -> tuple[torch.dtype, int]:
 class PagedAttentionLayout(KVLayout):
     name = "paged_attention"
 
+    @classmethod
+    def cache_shape(cls, num_blocks, g):
+        return (2, num_blocks, g.block_size * g.kv_heads * g.head_size)
+
     def _key_view(self, cache: torch.Tensor, unit: torch.dtype, size: int) -> torch.Tensor:
         # [blocks, heads, head_size // x, block_size, x]: a (token, head, head_size // x)
         # group is 16 contiguous bytes, 16 // size elements of `unit`.
@@ -143,6 +169,10 @@ class PagedAttentionLayout(KVLayout):
 class FlashAttentionLayout(KVLayout):
     name = "flash_attn"
 
+    @classmethod
+    def cache_shape(cls, num_blocks, g):
+        return (2, num_blocks, g.block_size, g.kv_heads, g.head_size)
+
     def _flat(self, cache):
         return _bits(cache).view(2, -1, self.g.kv_heads, self.g.head_size)
 
@@ -157,6 +187,11 @@ class FlashAttentionLayout(KVLayout):
 
 class FlashInferLayout(KVLayout):
     name = "flashinfer"
+    blocks_dim = 0
+
+    @classmethod
+    def cache_shape(cls, num_blocks, g):
+        return (num_blocks, 2, g.block_size, g.kv_heads, g.head_size)
 
     def gather(self, cache, slots, out=None):
         block, offset = slots // self.g.block_size, slots % self.g.block_size
@@ -175,6 +210,11 @@ class FlashInferLayout(KVLayout):
 class MLALayout(KVLayout):
     name = "mla"
     kv_parts = 1
+    blocks_dim = 0
+
+    @classmethod
+    def cache_shape(cls, num_blocks, g):
+        return (num_blocks, g.block_size, g.head_size)  # vLLM assumes kv_heads == 1
 
     def gather(self, cache, slots, out=None):
         flat = _bits(cache).view(-1, cache.shape[-1])
@@ -188,49 +228,50 @@ class MLALayout(KVLayout):
         flat.index_copy_(0, slots, _bits(kv).reshape(-1, cache.shape[-1]))
 
 
-_BY_BACKEND = {
+# Backend name (AttentionBackend.get_name() in vLLM 0.9.2) -> adapter, from each
+# backend's get_kv_cache_shape. V1 names end in _VLLM_V1 and share the V0 layout.
+BACKEND_LAYOUTS: dict[str, type[KVLayout]] = {
     "TORCH_SDPA": PagedAttentionLayout,
+    "IPEX": PagedAttentionLayout,
     "XFORMERS": PagedAttentionLayout,
     "ROCM_FLASH": PagedAttentionLayout,
+    "BLOCK_SPARSE_FLASH_ATTN": PagedAttentionLayout,
     "FLASH_ATTN": FlashAttentionLayout,
+    "DUAL_CHUNK_FLASH_ATTN": FlashAttentionLayout,
     "FLASHINFER": FlashInferLayout,
     "TRITON_MLA": MLALayout,
     "FLASHMLA": MLALayout,
     "ROCM_AITER_MLA": MLALayout,
     "CUTLASS_MLA": MLALayout,
+    "CPU_MLA": MLALayout,
 }
 
 
-def select_layout(cache: torch.Tensor, geometry: CacheGeometry, backend: str | None = None) -> KVLayout:
-    """The adapter for a layer's cache: by backend name, else by shape.
+def layout_for_backend(backend: str) -> type[KVLayout]:
+    """The adapter class for attention backend `backend` (its ``get_name()``).
 
-    Raises UnsupportedLayout when the shape fits no known layout.
+    Raises UnsupportedLayout naming the backend when no adapter reads its cache.
     """
-    cls = _BY_BACKEND.get((backend or "").upper().removesuffix("_VLLM_V1"))
+    cls = BACKEND_LAYOUTS.get(backend.upper().removesuffix("_VLLM_V1"))
     if cls is None:
-        cls = _layout_from_shape(cache, geometry)
-    _check_shape(cls, cache, geometry)
-    return cls(geometry)
-
-
-def _layout_from_shape(cache: torch.Tensor, g: CacheGeometry) -> type[KVLayout]:
-    s = tuple(cache.shape)
-    if len(s) == 3 and s[0] == 2 and s[2] == g.block_size * g.kv_heads * g.head_size:
-        return PagedAttentionLayout
-    if len(s) == 5 and s[0] == 2 and s[2:] == (g.block_size, g.kv_heads, g.head_size):
-        return FlashAttentionLayout
-    if len(s) == 5 and s[1] == 2 and s[2:] == (g.block_size, g.kv_heads, g.head_size):
-        return FlashInferLayout
-    if len(s) == 3 and s[1:] == (g.block_size, g.head_size):
-        return MLALayout
-    raise UnsupportedLayout(f"no KV layout adapter for cache shape {list(s)} with {g}")
-
-
-def _check_shape(cls: type[KVLayout], cache: torch.Tensor, g: CacheGeometry) -> None:
-    try:
-        found = _layout_from_shape(cache, g)
-    except UnsupportedLayout:
-        found = None
-    if found is not cls:
         raise UnsupportedLayout(
-            f"cache shape {list(cache.shape)} does not match the {cls.name} layout for {g}")
+            f"no KV layout adapter for attention backend {backend!r}; "
+            f"supported backends: {', '.join(BACKEND_LAYOUTS)}")
+    return cls
+
+
+def select_layout(cache: torch.Tensor, geometry: CacheGeometry, backend: str) -> KVLayout:
+    """The adapter for a layer's cache allocated by attention backend `backend`.
+
+    `backend` is the backend's name (``AttentionBackend.get_name()``); it
+    decides the layout, and the cache's shape must then match it.
+    Raises UnsupportedLayout for a backend with no adapter (naming it) or a
+    shape that does not match the backend's layout.
+    """
+    cls = layout_for_backend(backend)
+    if not cls.fits(cache, geometry):
+        raise UnsupportedLayout(
+            f"cache shape {list(cache.shape)} does not match the {cls.name} layout of "
+            f"attention backend {backend} for {geometry}: expected "
+            f"[{', '.join(map(str, cls.cache_shape('num_blocks', geometry)))}]")
+    return cls(geometry)
