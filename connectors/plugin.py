@@ -24,12 +24,15 @@ CONNECTORS = {
 
 
 def register() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    """Register our connectors and the user's extras (each name once per process).
+
+    Raises ValueError for a malformed KVCTL_EXTRA_CONNECTORS and
+    RegistryUnavailable when vLLM's factory is not the one 0.9.x has.
+    """
+    from connectors.v0.registry import register_once
 
     wanted = dict(CONNECTORS)
     wanted.update(parse_extra_connectors(os.environ.get(EXTRA_CONNECTORS_ENV, "")))
     for name, (module, cls) in wanted.items():
-        # vLLM may load plugins more than once per process; registering twice raises.
-        if name not in KVConnectorFactory._registry:
-            KVConnectorFactory.register_connector(name, module, cls)
+        if register_once(name, module, cls):
             logging.getLogger("vllm.kvctl.plugin").debug("registered V0 connector %s", name)

@@ -32,6 +32,7 @@ import torch
 from connectors.v0.batch import split_prefills
 from connectors.config.validate import ConfigError, validate_kv_transfer_config
 from connectors.logs import get_logger
+from connectors.v0.registry import registered_connectors
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -65,7 +66,7 @@ class MultiConnectorV0(KVConnectorBase):
         as_dict = {k: getattr(kv_config, k) for k in
                    ("kv_connector", "kv_role", "kv_connector_extra_config")}
         try:
-            validate_kv_transfer_config(as_dict, registered=KVConnectorFactory._registry.keys())
+            validate_kv_transfer_config(as_dict, registered=registered_connectors())
         except ConfigError as e:
             logger.error("MultiConnectorV0: invalid --kv-transfer-config:\n%s", e)
             raise
