@@ -8,6 +8,7 @@ Packages (each may import only those listed before it):
     logs.py   loggers named under "vllm.kvctl." (any package)
     plugin.py the vllm.general_plugins entry point; registers the connectors lazily
 
-kvctl imports `store` and `config` only; `v0` is loaded by vLLM through the plugin.
+kvctl imports `store` and `config` only (its rig-side benchmark `kvctl.bench.layout`
+also runs `v0.kv_layout`); `v0` is loaded by vLLM through the plugin.
 `connectors` never imports `kvctl`.
 """

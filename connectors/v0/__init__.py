@@ -2,10 +2,15 @@
 
     fs_connector.py     FSConnector: KV + hidden state to and from the FS store
     multi_connector.py  MultiConnectorV0: several V0 connectors in one instance
-    kv_layout.py        gather/scatter adapters, one per V0 paged-cache layout
+    kv_layout.py        gather/scatter adapters, one per V0 paged-cache layout,
+                        chosen by attention backend name (torch only, no vLLM)
+    attn_backend.py     which attention backend shaped a worker's KV caches
+    registry.py         vLLM's KVConnectorFactory registry: the one place that reads it
     batch.py            slicing a V0 batch into per-request prefills
     cpu_worker.py       the CPU worker with the GPU runner's recv -> forward -> send hooks
+                        (``--worker-cls connectors.v0.cpu_worker.KVTransferCPUWorker``)
 
 May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.logs`.
-Loaded only inside vLLM processes (through `connectors.plugin`).
+Loaded only inside vLLM processes (through `connectors.plugin`); `kvctl.bench`
+imports `kv_layout` inside the rig.
 """

@@ -19,8 +19,11 @@ reason.
 
 Config (``kv_connector_extra_config``, see connectors.config.validate):
 ``fs_storage_path`` (relative paths resolve against the server's working
-directory), ``fsync``, ``model_id``. Prefix caching and chunked prefill make
-a step compute only part of a prompt; they are refused at start-up.
+directory), ``fsync``, ``model_id``, and the store bounds ``max_bytes`` and
+``ttl_seconds`` (connectors.store.eviction). Prefix caching and chunked
+prefill make a step compute only part of a prompt; they, pipeline
+parallelism and an attention backend with no layout adapter are refused at
+start-up.
 """
 
 from __future__ import annotations
