@@ -11,12 +11,12 @@ import sys
 import pytest
 from seed_configs import SEED_D, SEED_P
 
+from connectors.config.topology import transfer_store
 from connectors.config.validate import (
     ConfigError,
     ConfigProblem,
     FSConnectorSettings,
     check_kv_transfer_config,
-    fs_store_path,
     parse_fs_settings,
     validate_kv_transfer_config,
 )
@@ -43,7 +43,7 @@ def test_seed_configs_are_valid():
     assert check_kv_transfer_config(SEED_D) == []
     validate_kv_transfer_config(SEED_P)
     validate_kv_transfer_config(SEED_D)
-    assert fs_store_path(SEED_P, "send") == fs_store_path(SEED_D, "recv") == "fs_local_storage"
+    assert transfer_store(SEED_P, "send") == transfer_store(SEED_D, "recv") == "fs_local_storage"
 
 
 # (config, [(path, substring of message)]) -- every error expected, nothing else.
@@ -180,16 +180,8 @@ def test_parse_fs_settings():
         parse_fs_settings(None)
 
 
-def test_fs_store_path_picks_the_transfer_child():
-    assert fs_store_path(multi(fs("kv_both", fs_storage_path="/off"), fs(transfer=True)), "send") == "/store"
-    assert fs_store_path(multi(fs(), {"kv_connector": "LMCacheConnector", "kv_role": "kv_both"}), "send") == "/store"
-    assert fs_store_path(multi(fs(fs_storage_path="/a"), fs(fs_storage_path="/b")), "send") is None  # ambiguous
-    assert fs_store_path(fs("kv_producer"), "recv") is None
-    assert fs_store_path(fs("kv_consumer"), "recv") == "/store"
-
-
 def test_imports_neither_torch_vllm_nor_kvctl():
-    code = ("import sys, connectors.config.validate; "
+    code = ("import sys, connectors.config.validate, connectors.config.topology; "
             "bad = [m for m in ('torch', 'vllm', 'kvctl') if m in sys.modules]; print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

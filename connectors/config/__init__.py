@@ -1,6 +1,9 @@
 """KV-transfer config as the connectors and kvctl both read it. No torch, no vLLM.
 
+    topology.py  which connector does what: each MultiConnectorV0 child's role, which
+                 children send and receive, the transfer child, where each stores
     validate.py  the config schema and its checks: every problem with its JSON path and fix
 
-May import: `connectors.store` (nothing from vLLM, nothing from kvctl).
+May import: `connectors.store` and pydantic (nothing from vLLM, nothing from kvctl);
+validate.py may import topology.py, never the reverse.
 """

@@ -22,6 +22,9 @@ Rules beyond vLLM's own `KVTransferConfig`:
   prompt as it was before any other child rebuilt the input, and kvctl looks
   for the P->D store there. Two would make "the" transfer store ambiguous; an
   extra copy of the KV is an offload child (`transfer` false).
+
+Which child sends, receives, carries the transfer or stores where is
+`connectors.config.topology`'s rule; this module only checks configs.
 """
 
 from __future__ import annotations
@@ -33,12 +36,11 @@ from typing import Callable, Iterable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-ROLES = ("kv_producer", "kv_consumer", "kv_both")
-SENDING_ROLES = ("kv_producer", "kv_both")
-RECEIVING_ROLES = ("kv_consumer", "kv_both")
-
-FS_CONNECTOR = "FSConnector"
-MULTI_CONNECTOR = "MultiConnectorV0"
+from connectors.config import topology
+from connectors.config.topology import FS_CONNECTOR, MULTI_CONNECTOR, ROLES
+# Moved to connectors.config.topology; re-exported until kvctl.cluster.spec and
+# kvctl.runtime.docker import it from there.
+from connectors.config.topology import fs_storage_paths as fs_storage_paths  # noqa: F401
 
 # Names vLLM 0.9.2's KVConnectorFactory can build as V0 connectors, plus ours
 # (registered by connectors.plugin).
@@ -306,7 +308,7 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
     if name == FS_CONNECTOR:
         problems += _check_fs_extra(extra, extra_path)
     elif name == MULTI_CONNECTOR and parent_role is None:
-        problems += _check_multi(extra, extra_path, registered, role if role in ROLES else None)
+        problems += _check_multi(cfg, extra_path, registered)
     return problems
 
 
@@ -361,8 +363,9 @@ def _check_role(role: object, prefix: str, parent_role: str | None) -> list[Conf
     return []
 
 
-def _check_multi(extra: object, prefix: str, registered: tuple[str, ...],
-                 parent_role: str | None) -> list[ConfigProblem]:
+def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...]) -> list[ConfigProblem]:
+    extra = cfg.get("kv_connector_extra_config")
+    parent_role = cfg["kv_role"] if cfg.get("kv_role") in ROLES else None
     example = '"connectors": [{"kv_connector": "FSConnector", "kv_role": "kv_producer", ...}, ...]'
     path = json_path(prefix, "connectors")
     if extra is None:
@@ -385,84 +388,34 @@ def _check_multi(extra: object, prefix: str, registered: tuple[str, ...],
     # A role problem on the parent is reported there; children then get no role check.
     for i, child in enumerate(children):
         problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both")
-    problems += _check_transfer_children(children, path, parent_role)
+    problems += _check_transfer_children(cfg, path)
     return problems
 
 
-def _fs_children(children: list) -> list[tuple[int, dict]]:
-    return [(i, c) for i, c in enumerate(children)
-            if isinstance(c, dict) and c.get("kv_connector") == FS_CONNECTOR]
-
-
-def _extra(cfg: dict) -> dict:
-    extra = cfg.get("kv_connector_extra_config")
-    return extra if isinstance(extra, dict) else {}
-
-
-def _check_transfer_children(children: list, path: str, parent_role: str | None) -> list[ConfigProblem]:
+def _check_transfer_children(cfg: dict, path: str) -> list[ConfigProblem]:
     problems = []
-    marked = [i for i, c in enumerate(children) if isinstance(c, dict) and _extra(c).get("transfer") is True]
+    children = topology.children(cfg)
+    marked = [c.index for c in children if c.transfer]
     for i in marked[1:]:
         problems.append(ConfigProblem(
             json_path(path, i, "kv_connector_extra_config", "transfer"),
             f"children [{marked[0]}] and [{i}] are both marked transfer: only one child moves KV from P to D",
             "keep \"transfer\": true on the child whose store the decode instance reads; "
             "set it to false on the others (they are offload copies)"))
-    fs = _fs_children(children)
+    fs = [c for c in children if c.is_fs]
     seen: dict[str, int] = {}
-    for i, child in fs:
-        where = _extra(child).get("fs_storage_path")
-        if isinstance(where, str) and where:
-            if where in seen:
+    for child in fs:
+        if child.store is not None:
+            if child.store in seen:
                 problems.append(ConfigProblem(
-                    json_path(path, i, "kv_connector_extra_config", "fs_storage_path"),
-                    f"children [{seen[where]}] and [{i}] use the same store {where!r}",
+                    json_path(path, child.index, "kv_connector_extra_config", "fs_storage_path"),
+                    f"children [{seen[child.store]}] and [{child.index}] use the same store {child.store!r}",
                     "give each FSConnector child its own directory", "warning"))
-            seen.setdefault(where, i)
-    sending_fs = [i for i, c in fs if c.get("kv_role") in SENDING_ROLES]
-    others = [i for i, c in enumerate(children) if isinstance(c, dict) and c.get("kv_connector") != FS_CONNECTOR]
-    if not marked and sending_fs and others and parent_role in SENDING_ROLES:
+            seen.setdefault(child.store, child.index)
+    sending_fs = [c.index for c in fs if c.sends]
+    if not marked and sending_fs and any(not c.is_fs for c in children):
         problems.append(ConfigProblem(
             json_path(path, sending_fs[0], "kv_connector_extra_config", "transfer"),
             "no child is marked transfer, so FSConnector may key on an input another child rebuilt",
             'add "transfer": true to the FSConnector child that feeds the decode instance', "warning"))
     return problems
-
-
-def fs_storage_paths(cfg: object) -> list[str]:
-    """Every fs_storage_path in a kv-transfer-config, MultiConnectorV0 children included."""
-    if isinstance(cfg, dict):
-        own = [cfg["fs_storage_path"]] if isinstance(cfg.get("fs_storage_path"), str) else []
-        return own + [p for v in cfg.values() for p in fs_storage_paths(v)]
-    if isinstance(cfg, list):
-        return [p for v in cfg for p in fs_storage_paths(v)]
-    return []
-
-
-def fs_store_path(cfg: object, direction: Literal["send", "recv"]) -> str | None:
-    """The FS store directory that carries KV P->D in this config, or None.
-
-    `direction` is the side asking: "send" for the prefill config, "recv" for
-    the decode one. A top-level FSConnector's own path; for MultiConnectorV0,
-    the FSConnector child marked transfer (else the only FSConnector child
-    able to act in `direction`).
-    """
-    if not isinstance(cfg, dict):
-        return None
-    roles = SENDING_ROLES if direction == "send" else RECEIVING_ROLES
-    if cfg.get("kv_role") not in roles:
-        return None
-    if cfg.get("kv_connector") == FS_CONNECTOR:
-        found = _extra(cfg).get("fs_storage_path")
-        return found if isinstance(found, str) and found else None
-    if cfg.get("kv_connector") != MULTI_CONNECTOR:
-        return None
-    children = _extra(cfg).get("connectors")
-    if not isinstance(children, list):
-        return None
-    fs = [c for _, c in _fs_children(children) if c.get("kv_role") in roles]
-    chosen = [c for c in fs if _extra(c).get("transfer") is True] or fs
-    if len(chosen) != 1:
-        return None
-    found = _extra(chosen[0]).get("fs_storage_path")
-    return found if isinstance(found, str) and found else None

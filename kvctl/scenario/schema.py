@@ -15,14 +15,16 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from connectors.config.validate import (
+from connectors.config.topology import (
     FS_CONNECTOR,
     MULTI_CONNECTOR,
-    RECEIVING_ROLES,
-    SENDING_ROLES,
+    acts,
+    sending_children,
+    transfer_store,
+)
+from connectors.config.validate import (
     ConfigProblem,
     check_kv_transfer_config,
-    fs_store_path,
     json_path,
     pydantic_problems,
 )
@@ -142,7 +144,7 @@ class Scenario(_Strict):
         """Connector names P logs `sent to connector <Name>` for, per request."""
         if self.expectations.sent_to_connectors is not None:
             return list(self.expectations.sent_to_connectors)
-        return _sending_children(self.prefill.kv_transfer_config)
+        return _sending_names(self.prefill.kv_transfer_config)
 
 
 def _substitute(value: Any, values: dict[str, str]) -> Any:
@@ -157,12 +159,9 @@ def _substitute(value: Any, values: dict[str, str]) -> Any:
     return value
 
 
-def _sending_children(cfg: dict) -> list[str]:
-    if cfg.get("kv_connector") != MULTI_CONNECTOR:
-        return []
-    children = (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
-    return [c["kv_connector"] for c in children
-            if isinstance(c, dict) and c.get("kv_role") in SENDING_ROLES and isinstance(c.get("kv_connector"), str)]
+def _sending_names(cfg: dict) -> list[str]:
+    """The connector names of P's sending children, in config order (see connectors.config.topology)."""
+    return [c.connector for c in sending_children(cfg) if c.connector is not None]
 
 
 # ---------------------------------------------------------------- checking
@@ -225,11 +224,11 @@ def check_scenario(obj: object) -> list[ConfigProblem]:
 def _cross_checks(s: Scenario) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
     p_cfg, d_cfg = s.prefill.kv_transfer_config, s.decode.kv_transfer_config
-    if p_cfg.get("kv_role") in RECEIVING_ROLES and p_cfg.get("kv_role") not in SENDING_ROLES:
+    if acts(p_cfg.get("kv_role"), "recv") and not acts(p_cfg.get("kv_role"), "send"):
         problems.append(ConfigProblem("$.prefill.kv_transfer_config.kv_role",
                                       "the prefill instance must send KV, but kv_consumer only receives",
                                       "use kv_producer or kv_both"))
-    if d_cfg.get("kv_role") in SENDING_ROLES and d_cfg.get("kv_role") not in RECEIVING_ROLES:
+    if acts(d_cfg.get("kv_role"), "send") and not acts(d_cfg.get("kv_role"), "recv"):
         problems.append(ConfigProblem("$.decode.kv_transfer_config.kv_role",
                                       "the decode instance must receive KV, but kv_producer only sends",
                                       "use kv_consumer (or kv_both)"))
@@ -237,7 +236,7 @@ def _cross_checks(s: Scenario) -> list[ConfigProblem]:
     problems += _check_placeholders(s)
     problems += _check_role_specs(s)
     sent = s.expected_sent_to()
-    children = _sending_children(p_cfg)
+    children = _sending_names(p_cfg)
     for i, name in enumerate(s.expectations.sent_to_connectors or []):
         if name not in children:
             problems.append(ConfigProblem(
@@ -251,12 +250,12 @@ def _cross_checks(s: Scenario) -> list[ConfigProblem]:
 
 
 def _check_store_paths(s: Scenario) -> list[ConfigProblem]:
-    p_path = fs_store_path(s.prefill.kv_transfer_config, "send")
-    d_path = fs_store_path(s.decode.kv_transfer_config, "recv")
+    p_path = transfer_store(s.prefill.kv_transfer_config, "send")
+    d_path = transfer_store(s.decode.kv_transfer_config, "recv")
     checks = s.expectations.checks
     problems: list[ConfigProblem] = []
-    p_sends = s.prefill.kv_transfer_config.get("kv_role") in SENDING_ROLES
-    d_receives = s.decode.kv_transfer_config.get("kv_role") in RECEIVING_ROLES
+    p_sends = acts(s.prefill.kv_transfer_config.get("kv_role"), "send")
+    d_receives = acts(s.decode.kv_transfer_config.get("kv_role"), "recv")
     if p_path is None and p_sends and ("store_entry_written" in checks or d_path is not None):
         problems.append(ConfigProblem(
             "$.prefill.kv_transfer_config",
