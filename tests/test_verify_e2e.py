@@ -24,13 +24,9 @@ import pytest
 from conftest import Kvctl, pid_alive
 
 from connectors.store.format import entry_path
-from kvctl.verify.verifier import (
-    CHECKS,
-    ClusterVerifier,
-    check_output_matches_baseline,
-    check_store_entry_written,
-    cluster_info,
-)
+from kvctl.verify.checks import CHECKS, check_output_matches_baseline, check_store_entry_written
+from kvctl.verify.cluster_info import cluster_info
+from kvctl.verify.verifier import ClusterVerifier
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 

@@ -31,23 +31,19 @@ from kvctl.cli import main
 from kvctl.client import ChatResult
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.verify.junit import verify_junit, write_verify_junit
-from kvctl.verify.verifier import (
+from kvctl.verify.checks import (
     CHECKS,
     CheckResult,
-    ClusterInfo,
-    InstanceInfo,
-    RequestReport,
-    VerifyReport,
     check_decode_skipped_forward,
     check_kv_send_logged,
     check_output_matches_baseline,
     check_store_entry_written,
-    cluster_info,
-    expected_send_children,
-    load_prompts_file,
     match_request_key,
-    verify_cluster,
 )
+from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
+from kvctl.verify.prompts import load_prompts_file
+from kvctl.verify.report import RequestReport, VerifyReport
+from kvctl.verify.verifier import expected_send_children, verify_cluster
 
 IDENT = KVIdentity(model="tiny", num_layers=2, kv_parts=2, kv_heads=2, head_size=4, dtype="F32")
 SEED_P_CONFIG = {"kv_connector": "MultiConnectorV0", "kv_role": "kv_both", "kv_connector_extra_config": {
@@ -156,9 +152,11 @@ def test_kv_send_logged_requires_each_child_line(tmp_path):
 def test_expected_children_only_producers():
     cfg = {"kv_connector": "MultiConnectorV0", "kv_role": "kv_both", "kv_connector_extra_config": {
         "connectors": [{"kv_connector": "FSConnector", "kv_role": "kv_consumer"},
-                       {"kv_connector": "FSConnector"},  # inherits kv_both
-                       {"kv_connector": "LMCacheConnector", "kv_role": "kv_producer"}]}}
-    assert expected_send_children(cfg) == [(1, "FSConnector"), (2, "LMCacheConnector")]
+                       {"kv_connector": "FSConnector"},  # no role of its own: never runs (nothing is inherited)
+                       {"kv_connector": "LMCacheConnector", "kv_role": "kv_producer"},
+                       {"kv_connector": "FSConnector", "kv_role": "kv_both"}]}}
+    assert expected_send_children(cfg) == [(2, "LMCacheConnector"), (3, "FSConnector")]
+    assert expected_send_children({**cfg, "kv_role": "kv_consumer"}) == []  # the parent never sends
     assert expected_send_children(FS_PRODUCER) == [] and expected_send_children({}) == []
 
 
@@ -269,7 +267,7 @@ def test_junit_one_case_per_check(tmp_path):
     assert {c.get("name") for c in cases} == set(CHECKS)
     failed = [c for c in cases if c.find("failure") is not None]
     assert len(failed) == 1 and failed[0].get("name") == "decode_skipped_forward"
-    assert failed[0].get("classname") == "kvctl.verify.verifier.c1.request1"
+    assert failed[0].get("classname") == "kvctl.verify.c1.request1"
     assert "evidence <&>" in failed[0].find("failure").text
     assert verify_junit(sample_report()).getroot().find("testsuite").get("name") == "kvctl verify c1"
     with pytest.raises(BadInput):

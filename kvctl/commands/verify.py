@@ -6,28 +6,16 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import JSON_OPT
+from kvctl.verify.cluster_info import load_cluster_info
 from kvctl.verify.junit import write_verify_junit
 from kvctl.verify.load_mode import LoadReport, generate_prompts, run_load
-from kvctl.verify.verifier import (
-    DEFAULT_MAX_TOKENS,
-    DEFAULT_PROMPTS,
-    check_prompts,
-    load_cluster_info,
-    load_prompts_file,
-    verify_cluster,
-)
+from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts, load_prompts_file
+from kvctl.verify.verifier import DEFAULT_MAX_TOKENS, verify_cluster
 from kvctl.views.output import Output
-from kvctl.views.verify import render_load, render_verify_report
+from kvctl.views.verify import render_load, render_verify_report, request_bar
 
 
 def register(app: typer.Typer) -> None:
@@ -73,16 +61,7 @@ def verify(
         prompts = list(DEFAULT_PROMPTS)
     info = load_cluster_info(name)
 
-    with Progress(TextColumn("[bold]verify[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), console=out.stderr, transient=True) as bar:
-        task = bar.add_task(f"{name}", total=len(prompts))
-
-        def progress(i: int, total: int, stage: str) -> None:
-            if stage == "done":
-                bar.advance(task)
-            else:
-                bar.update(task, description=f"{name}: request {i + 1}/{total} {stage}")
-
+    with request_bar(out, name, len(prompts)) as progress:
         if load_mode:
             result = run_load(info, prompts, max_tokens, concurrency, progress)
             report = result.verify
@@ -101,5 +80,3 @@ def verify(
         out.info(f"JUnit XML written to {junit_xml}")
     if not result.passed:
         raise typer.Exit(int(ExitCode.CHECK_FAILED))
-
-

@@ -36,31 +36,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec, cluster_dir
-from kvctl.errors import BadInput, ExitCode, KvctlError
-from kvctl.verify.junit import verify_junit, write_junit
 from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster, signals_interrupt
+from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec
+from kvctl.cluster.state import ClusterState, cluster_dir
+from kvctl.errors import BadInput, ExitCode, KvctlError
 from kvctl.paths import kvctl_home
 from kvctl.runtime import select_runtime
-from kvctl.scenario.schema import Scenario
+from kvctl.runtime.docker_options import docker_options
+from kvctl.scenario.schema import Scenario, scenario_path
 from kvctl.store.inspect import StoreReport, inspect_store
-from kvctl.verify.verifier import (
-    ClusterVerifier,
-    VerifyReport,
-    check_prompts,
-    cluster_info,
-    expected_send_children,
-)
+from kvctl.verify.junit import verify_junit, write_junit
+from kvctl.verify.prompts import check_prompts
+from kvctl.verify.report import VerifyReport
+from kvctl.verify.verifier import RunOptions, expected_send_children, run_verify
 
 log = logging.getLogger(__name__)
 
 PHASES = ("launch", "verify", "inspect", "down")
-KEPT_ROOT = "scenario-runs"  # under $KVCTL_HOME: what --keep keeps (store and logs)
-# Where build_1p1d_spec's errors point (its CLI options), as scenario JSON paths.
-_OPTION_PATHS = {"--name": "$.name", "--model": "$.model", "--timeout": "$.timeout",
-                 "--prefill-config": "$.prefill.kv_transfer_config",
-                 "--decode-config": "$.decode.kv_transfer_config", "--store": "$.store",
-                 "--runtime": "$.runtime"}
+KEPT_ROOT = "scenario-runs"  # under $KVCTL_HOME: what `keep` keeps (store and logs)
 
 
 class ScenarioProgress:
@@ -97,7 +90,7 @@ class ScenarioPlan:
     runtime_reason: str
     prompts: list[str]
     send_children: list[tuple[int, str]] | None  # None: verify derives them from P's config
-    kept_dir: Path | None  # --keep: store and logs end up here
+    kept_dir: Path | None  # keep: store and logs end up here
 
 
 @dataclass
@@ -153,11 +146,11 @@ class ScenarioReport:
 # ---------------------------------------------------------------- plan
 
 
-def _in_scenario(e: BadInput, source: str | None) -> BadInput:
-    """The same error, pointing at the scenario field instead of a CLI option."""
-    path = _OPTION_PATHS.get(e.where or "", e.where)
-    where = f"{source}: {path}" if source and path else (path or source)
-    return BadInput(e.what, where=where, fix=e.fix, details=e.details)
+def _in_scenario(e: KvctlError, source: str | None) -> KvctlError:
+    """The same error, located in the scenario: its fields as scenario paths, after the file."""
+    e.locate(scenario_path)
+    e.where = f"{source}: {e.where}" if source and e.where else (e.where or source)
+    return e
 
 
 def _send_children(scenario: Scenario, prefill_config: dict) -> list[tuple[int, str]] | None:
@@ -169,7 +162,7 @@ def _send_children(scenario: Scenario, prefill_config: dict) -> list[tuple[int, 
     names = scenario.expectations.sent_to_connectors
     if names is None:
         return None
-    available = expected_send_children(prefill_config)
+    available = expected_send_children(prefill_config)  # connectors.config.topology's rule
     picked: list[tuple[int, str]] = []
     for i, name in enumerate(names):
         child = next((c for c in available if c[1] == name and c not in picked), None)
@@ -186,67 +179,66 @@ def _send_children(scenario: Scenario, prefill_config: dict) -> list[tuple[int, 
 def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None = None) -> ScenarioPlan:
     """Resolve `scenario` for this machine. Starts nothing.
 
-    The runtime goes through `select_runtime` (as `kvctl launch --runtime`);
+    The runtime goes through `select_runtime` (as `kvctl launch` does);
     `model: tiny` is the generated tiny model; `${store}` is `store`, or a
     fresh dir (in the cluster dir, or under $KVCTL_HOME/scenario-runs with
     `keep`); `${instance_dir}` is a per-role dir in the cluster dir.
-    Raises BadInput, naming the scenario field, for a runtime this kvctl
-    cannot run, a missing model, an invalid config or empty prompts.
+    Raises BadInput, located at the scenario field (`source: $.model`), for a
+    runtime this kvctl cannot run, a missing model, an invalid config or
+    empty prompts.
     """
+    try:
+        return _plan(scenario, keep, source)
+    except BadInput as e:
+        raise _in_scenario(e, source) from None
+
+
+def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
     try:
         runtime, why = select_runtime(scenario.runtime)
     except BadInput as e:
-        # select_runtime's fix may name `--runtime`, an option scenarios do not have.
-        fix = e.fix if e.fix and "--runtime" not in e.fix else (
-            f"run it where kvctl can use the {scenario.runtime} runtime, or run a local (CPU) "
-            "scenario such as smoke-1p1d")
         raise BadInput(f"scenario {scenario.name} needs the {scenario.runtime} runtime: {e.what}",
-                       where=f"{source}: $.runtime" if source else "$.runtime", fix=fix) from None
+                       field="runtime",
+                       fix=e.fix or (f"run it where kvctl can use the {scenario.runtime} runtime, or run a "
+                                     "local (CPU) scenario such as smoke-1p1d")) from None
     name = scenario.name
-    try:
-        cdir = cluster_dir(name)
-        kept_dir = None
-        if keep:
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-            kept_dir = kvctl_home() / KEPT_ROOT / f"{name}-{stamp}"
-        if scenario.store is not None:
-            store = Path(_expand(scenario.store, "$.store")).expanduser().resolve()
-        else:
-            store = (kept_dir or cdir) / "store"
-        configs = {role: scenario.resolved_config(role, str(store), str(cdir / "instances" / role))
-                   for role in ("prefill", "decode")}
-        prompts = check_prompts(scenario.prompt_texts())
-        spec = build_1p1d_spec(
-            name=name, runtime=runtime,
-            model=None if scenario.model == "tiny" else Path(_expand(scenario.model, "$.model")),
-            served_model_name=scenario.served_model_name,
-            prefill_config=configs["prefill"], decode_config=configs["decode"], store=store,
-            timeout_s=scenario.timeout,
-            prefill_args=tuple(scenario.prefill.args), decode_args=tuple(scenario.decode.args),
-            prefill_env=scenario.prefill.env, decode_env=scenario.decode.env,
-            docker=_docker_options(scenario) if runtime == "docker" else None)
-        children = _send_children(scenario, configs["prefill"])
-    except BadInput as e:
-        if e.where and e.where.startswith("prompts["):
-            e.where = "$." + e.where
-        raise _in_scenario(e, source) from None
+    cdir = cluster_dir(name)
+    kept_dir = None
+    if keep:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        kept_dir = kvctl_home() / KEPT_ROOT / f"{name}-{stamp}"
+    if scenario.store is not None:
+        store = Path(_expand(scenario.store, "store")).expanduser().resolve()
+    else:
+        store = (kept_dir or cdir) / "store"
+    configs = {role: scenario.resolved_config(role, str(store), str(cdir / "instances" / role))
+               for role in ("prefill", "decode")}
+    prompts = check_prompts(scenario.prompt_texts(), where=scenario_path("prompts") or "prompts")
+    spec = build_1p1d_spec(
+        name=name, runtime=runtime,
+        model=None if scenario.model == "tiny" else Path(_expand(scenario.model, "model")),
+        served_model_name=scenario.served_model_name,
+        prefill_config=configs["prefill"], decode_config=configs["decode"], store=store,
+        timeout_s=scenario.timeout,
+        prefill_args=tuple(scenario.prefill.args), decode_args=tuple(scenario.decode.args),
+        prefill_env=scenario.prefill.env, decode_env=scenario.decode.env,
+        docker=_docker_options(scenario) if runtime == "docker" else None)
+    children = _send_children(scenario, configs["prefill"])
     return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
                         send_children=children, kept_dir=kept_dir)
 
 
-def _expand(value: str, path: str) -> str:
+def _expand(value: str, field: str) -> str:
     """$VARS in model/store paths (nightly CI points them at its model cache); unset = BadInput."""
     expanded = os.path.expandvars(value)
     missing = re.findall(r"\$\{?(\w+)", expanded)
     if missing:
-        raise BadInput(f"{path} uses ${missing[0]}, which is not set", where=path,
+        raise BadInput(f"{scenario_path(field)} uses ${missing[0]}, which is not set", field=field,
                        fix=f"export {missing[0]}=<directory> before running the scenario")
     return expanded
 
 
 def _docker_options(scenario: Scenario):
-    from kvctl.runtime.docker import docker_options  # the docker SDK only when needed
-
     return docker_options(image=scenario.image, gpus=scenario.gpus,
                           prefill_host=scenario.prefill.docker_host,
                           decode_host=scenario.decode.docker_host)
@@ -287,20 +279,10 @@ class _Phases:
             self.progress.phase_finished(phase)
 
 
-def _verify(state: Any, plan: ScenarioPlan, progress: ScenarioProgress) -> VerifyReport:
-    """verify_cluster's loop, with the scenario's expected `sent to connector` children."""
-    info = cluster_info(state)
-    max_tokens = plan.scenario.max_tokens
-    total = len(plan.prompts)
-    with ClusterVerifier(info) as verifier:
-        if plan.send_children is not None:
-            verifier.children = plan.send_children
-        requests = []
-        for i, prompt in enumerate(plan.prompts):
-            requests.append(verifier.verify_prompt(prompt, max_tokens,
-                                                   lambda stage, i=i: progress.request(i, total, stage)))
-            progress.request(i, total, "done")
-    return VerifyReport(cluster=info.name, requests=requests, max_tokens=max_tokens)
+def _verify(state: ClusterState, plan: ScenarioPlan, progress: ScenarioProgress) -> VerifyReport:
+    """The verify driver, one request at a time, with the scenario's expected send children."""
+    options = RunOptions(max_tokens=plan.scenario.max_tokens, send_children=plan.send_children)
+    return run_verify(state, plan.prompts, options, progress.request).report
 
 
 def _keep_logs(plan: ScenarioPlan) -> None:
@@ -400,7 +382,7 @@ def scenario_junit(report: ScenarioReport) -> ET.ElementTree:
         tree = ET.ElementTree(root)
     assert suite is not None
     for phase in report.phases.values():
-        case = ET.SubElement(suite, "testcase", classname=f"kvctl.scenario.schema.{report.scenario}",
+        case = ET.SubElement(suite, "testcase", classname=f"kvctl.scenario.{report.scenario}",
                              name=f"phase {phase.name}", time=f"{phase.seconds or 0:.3f}")
         if phase.status in ("failed", "interrupted"):
             text = phase.detail

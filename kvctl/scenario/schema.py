@@ -44,6 +44,39 @@ MANAGED_ARGS = {
     "--model": "remove it; set model instead",
 }
 SCENARIO_SUFFIXES = (".yaml", ".yml")
+# Where a scenario sets each field the library names in its errors (kvctl.cluster's
+# spec builder, kvctl.runtime's options, kvctl.verify): errors are located with
+# `KvctlError.locate(scenario_path)`, as the CLI locates them with flags.
+FIELD_PATHS = {
+    "name": "$.name",
+    "model": "$.model",
+    "served_model_name": "$.served_model_name",
+    "runtime": "$.runtime",
+    "timeout": "$.timeout",
+    "store": "$.store",
+    "image": "$.image",
+    "gpus": "$.gpus",
+    "prefill_config": "$.prefill.kv_transfer_config",
+    "decode_config": "$.decode.kv_transfer_config",
+    "prefill_args": "$.prefill.args",
+    "decode_args": "$.decode.args",
+    "prefill_env": "$.prefill.env",
+    "decode_env": "$.decode.env",
+    "prefill_docker_host": "$.prefill.docker_host",
+    "decode_docker_host": "$.decode.docker_host",
+    "prompts": "$.prompts",
+    "max_tokens": "$.max_tokens",
+    "sent_to_connectors": "$.expectations.sent_to_connectors",
+}
+
+
+def scenario_path(field: str) -> str | None:
+    """Where a scenario sets a library field (`max_tokens` -> `$.max_tokens`); None when it cannot.
+
+    Fields a scenario has no key for (ports, bind, concurrency) are None: the
+    error then shows the field's own name.
+    """
+    return FIELD_PATHS.get(field)
 
 
 class _Strict(BaseModel):

@@ -1,4 +1,8 @@
-"""JUnit XML for CI dashboards: one testcase per check per verified request."""
+"""JUnit XML for CI dashboards: one testcase per check per verified request.
+
+Test case class names (`kvctl.verify.<cluster>.request<i>`) are what CI
+dashboards group by: they name the cluster and request, not a Python module.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kvctl.errors import BadInput
-from kvctl.verify.verifier import VerifyReport
+from kvctl.verify.report import VerifyReport
 
 FAILURE_MESSAGE_CHARS = 300  # the attribute is a one-line summary; the body has everything
 # Characters XML 1.0 forbids even escaped; random-model outputs can contain them.
@@ -29,7 +33,7 @@ def verify_junit(report: VerifyReport, suite_name: str | None = None) -> ET.Elem
     ET.SubElement(props, "property", name="baseline", value=report.baseline)
     ET.SubElement(props, "property", name="max_tokens", value=str(report.max_tokens))
     for i, request, check in cases:
-        case = ET.SubElement(suite, "testcase", classname=f"kvctl.verify.verifier.{report.cluster}.request{i}",
+        case = ET.SubElement(suite, "testcase", classname=f"kvctl.verify.{report.cluster}.request{i}",
                              name=check.name, time="0")
         if check.passed:
             ET.SubElement(case, "system-out").text = _xml_safe(check.evidence)
@@ -49,7 +53,7 @@ def write_junit(tree: ET.ElementTree, path: Path | str) -> Path:
         tree.write(path, encoding="utf-8", xml_declaration=True)
     except OSError as e:
         raise BadInput(f"cannot write the JUnit file: {e}", where=str(path),
-                       fix="pass --junit-xml a path in a writable, existing directory") from None
+                       fix="use a path in a writable, existing directory") from None
     return path
 
 

@@ -1,26 +1,27 @@
 """Load mode of `kvctl verify`: many distinct prompts through P then D, concurrently.
 
-Every request goes through kvctl.verify.verifier's per-request steps (P max_tokens=1,
+Every request goes through kvctl.verify.verifier's driver (P max_tokens=1,
 entry check, D, baseline) and is checked against its own baseline; this
-module only generates the prompts, runs C clients at once, keeps going when
-one request fails, and summarises: throughput, p50/p99 latency of P and D,
-bytes transferred, and every mismatch and error. Library code: nothing here
-prints; it returns a LoadReport or raises KvctlError.
+module only generates the prompts, asks the driver for C clients at once and
+to keep going when one request fails, and summarises: throughput, p50/p99
+latency of P and D, bytes transferred, and every mismatch and error. Library
+code: nothing here prints; it returns a LoadReport or raises KvctlError.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from kvctl.errors import BadInput, KvctlError
-from kvctl.verify.verifier import (DEFAULT_MAX_TOKENS, LOG_WAIT_S, CheckResult, ClusterVerifier, Progress,
-                          RequestReport, VerifyReport, prepare_run)
+from kvctl.cluster.state import ClusterState
+from kvctl.errors import BadInput
+from kvctl.verify.checks import ERROR_CHECK
+from kvctl.verify.cluster_info import ClusterInfo
+from kvctl.verify.log_files import LOG_WAIT_S
+from kvctl.verify.report import VerifyReport
+from kvctl.verify.verifier import DEFAULT_MAX_TOKENS, Progress, RunOptions, run_verify
 
-ERROR_CHECK = "request_completed"  # the check a request that raised fails (HTTP error, dead server)
 _SUBJECTS = ("the lighthouse keeper", "a river barge", "the night train", "an old orchard",
              "the harbour crane", "a mountain hut", "the tram depot", "a glass workshop")
 _ASKS = ("Describe its morning in two sentences.", "What does it sound like at noon?",
@@ -34,7 +35,7 @@ _FILLER = ("The weather was mild and the air smelled of salt and rain.",
 def generate_prompts(n: int) -> list[str]:
     """`n` distinct prompts of varied length (about 20 to 90 tokens), the same on every run."""
     if n < 1:
-        raise BadInput(f"requests must be at least 1, got {n}", where="--requests", fix="pass --requests 100")
+        raise BadInput(f"requests must be at least 1, got {n}", field="requests", fix="use 100 (or any N >= 1)")
     prompts = []
     for i in range(n):
         filler = " ".join(_FILLER[(i + k) % len(_FILLER)] for k in range(i % 4))
@@ -128,29 +129,13 @@ def summarise(report: VerifyReport, concurrency: int, wall_s: float) -> LoadStat
     return stats
 
 
-def run_load(state: Any, prompts: Sequence[str], max_tokens: int = DEFAULT_MAX_TOKENS, concurrency: int = 8,
-             progress: Progress | None = None, *, log_wait_s: float = LOG_WAIT_S) -> LoadReport:
+def run_load(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
+             max_tokens: int = DEFAULT_MAX_TOKENS, concurrency: int = 8, progress: Progress | None = None, *,
+             log_wait_s: float = LOG_WAIT_S) -> LoadReport:
     """Verify every prompt with `concurrency` clients at once; a request that fails is recorded, not fatal.
 
     Raises BadInput for empty prompts, max_tokens < 1 or concurrency < 1.
     """
-    info, prompts = prepare_run(state, prompts, max_tokens, concurrency)
-    total = len(prompts)
-    report = progress or (lambda i, n, s: None)
-
-    with ClusterVerifier(info, log_wait_s=log_wait_s) as verifier:
-        def one(i: int) -> RequestReport:
-            try:
-                result = verifier.verify_prompt(prompts[i], max_tokens, lambda s: report(i, total, s))
-            except KvctlError as e:  # HTTP error or unreachable server: count it and go on
-                result = RequestReport(prompt=prompts[i], prompt_tokens=0, key="",
-                                       checks=[CheckResult(ERROR_CHECK, False, e.message.replace("\n", "; "))])
-            report(i, total, "done")
-            return result
-
-        start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            requests = list(pool.map(one, range(total)))
-        wall = time.perf_counter() - start
-    verify = VerifyReport(cluster=info.name, requests=requests, max_tokens=max_tokens)
-    return LoadReport(verify, summarise(verify, concurrency, wall))
+    options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, keep_going=True, log_wait_s=log_wait_s)
+    run = run_verify(state, prompts, options, progress)
+    return LoadReport(run.report, summarise(run.report, concurrency, run.wall_s))

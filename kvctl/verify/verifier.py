@@ -1,6 +1,6 @@
-"""Prove, request by request, that a 1P1D cluster's KV really travelled.
+"""The verify driver: prove, request by request, that a 1P1D cluster's KV really travelled.
 
-The hand-run flow of the seed, automated. Per prompt:
+The hand-run flow of the seed, automated. Per prompt (`ClusterVerifier`):
 
 1. tokenize through P's /tokenize (chat template applied): the exact prompt ids;
 2. P /v1/chat/completions, max_tokens=1, temperature=0 -> P prefills and sends;
@@ -10,431 +10,52 @@ The hand-run flow of the seed, automated. Per prompt:
 4. D /v1/chat/completions, max_tokens=K -> D must skip its prefill forward;
 5. baseline: P again with max_tokens=K (prefill instance, full generation).
 
-Checks: kv_send_logged, store_entry_written, decode_skipped_forward,
-output_matches_baseline, each with evidence (a log line, a file, a token diff).
+The checks themselves are kvctl.verify.checks. `run_verify` is the one loop
+over prompts, for every front end: `kvctl verify` (`verify_cluster`), its load
+mode (kvctl.verify.load_mode) and scenarios, which differ only in `RunOptions`
+(concurrency, keep going on a failed request, the send children P must log).
 
 Log lines are matched by key, never by position, and each request only looks
-at what its instances logged after it started: requests may run concurrently
-(`concurrency`), as issue 7's load mode needs. Library code: nothing here
-prints; it returns a VerifyReport or raises KvctlError.
+at what its instances logged after it started, so requests may run
+concurrently. Library code: nothing here prints; it returns reports or raises
+KvctlError.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
-from connectors.store.format import (EntryCorrupt, KVIdentity, compute_key, entry_path,
-                                     parse_header, read_entry, token_ids_of)
-from kvctl.verify import markers
+from connectors.config.topology import sending_children
+from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
-from kvctl.errors import BadInput
-from kvctl.paths import kvctl_home
+from kvctl.cluster.state import ClusterState
+from kvctl.errors import BadInput, KvctlError
+from kvctl.verify import markers
+from kvctl.verify.checks import (
+    ERROR_CHECK,
+    CheckResult,
+    KeyMatch,
+    check_decode_skipped_forward,
+    check_kv_send_logged,
+    check_output_matches_baseline,
+    check_store_entry_written,
+    match_request_key,
+    transfer_bytes,
+)
+from kvctl.verify.cluster_info import ClusterInfo, cluster_info
+from kvctl.verify.log_files import LOG_WAIT_S, LogFile, poll
+from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
+from kvctl.verify.report import RequestReport, VerifyReport
 
-CHECKS = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
-BASELINE_KIND = "prefill instance, full generation"
 DEFAULT_MAX_TOKENS = 16
-LOG_WAIT_S = 5.0  # how long a log line may lag behind the HTTP response
-LOG_POLL_S = 0.1
-EVIDENCE_TEXT_CHARS = 200  # outputs quoted in evidence are cut to this
 
-_LONG_SENTENCES = (
-    "The prefill server reads the whole prompt once and writes its key value cache to the store.",
-    "Then the decode server loads that cache from disk and starts to generate the answer at once.",
-    "Please tell me a long story about a quick brown fox who jumps over the lazy dog every day.",
-    "Each layer has a key and a value for every token, so the file grows with the prompt length.",
-    "If the cache is missing or corrupt, the decode server must compute the prefill by itself.",
-)
-# Short, the seed's repeated prompt, long (~1000+ tokens on the tiny model), non-ASCII.
-DEFAULT_PROMPTS: tuple[str, ...] = (
-    "Hello, how are you?",
-    "Hello, how are you?" * 67,
-    " ".join(f"({i}) {_LONG_SENTENCES[i % len(_LONG_SENTENCES)]}" for i in range(36)),
-    "Grüße aus Zürich! Привет, мир. 你好世界，今天天气很好。東京でこんにちは 🚀 — café, naïve, señor.",
-)
-
-
-# ------------------------------------------------------------------ cluster
-
-
-@dataclass(frozen=True)
-class InstanceInfo:
-    role: str
-    url: str
-    log_path: Path
-    kv_transfer_config: dict
-
-
-@dataclass(frozen=True)
-class ClusterInfo:
-    """What verify needs from a cluster's state, whatever runtime launched it."""
-
-    name: str
-    model: str  # the name requests use (served model name)
-    store: Path
-    prefill: InstanceInfo
-    decode: InstanceInfo
-
-
-def _as_dict(state: Any) -> dict:
-    if isinstance(state, dict):
-        return state
-    for method in ("to_json", "to_dict", "model_dump"):
-        if callable(getattr(state, method, None)):
-            return getattr(state, method)()
-    if dataclasses.is_dataclass(state):
-        return dataclasses.asdict(state)
-    raise TypeError(f"cannot read cluster state of type {type(state).__name__}")
-
-
-def cluster_info(state: Any) -> ClusterInfo:
-    """ClusterInfo from kvctl.cluster.spec's ClusterState (or its cluster.json dict).
-
-    Raises BadInput naming the missing field.
-    """
-    d = _as_dict(state)
-    name = str(d.get("name", "?"))
-
-    def need(obj: dict, key: str, where: str) -> Any:
-        if obj.get(key) in (None, ""):
-            raise BadInput(f"cluster state of {name!r} lacks {where}{key}",
-                           where=str(kvctl_home() / "clusters" / name / "cluster.json"),
-                           fix=f"relaunch it: `kvctl down --name {name}` then `kvctl launch 1p1d --name {name}`")
-        return obj[key]
-
-    instances = need(d, "instances", "")
-
-    def instance(role: str) -> InstanceInfo:
-        inst = _as_dict(need(instances, role, "instances."))
-        return InstanceInfo(role=role, url=str(need(inst, "url", f"instances.{role}.")),
-                            log_path=Path(need(inst, "log_path", f"instances.{role}.")),
-                            kv_transfer_config=dict(inst.get("kv_transfer_config") or {}))
-
-    model = d.get("served_model_name") or need(d, "model", "")
-    return ClusterInfo(name=name, model=str(model), store=Path(need(d, "store", "")),
-                       prefill=instance("prefill"), decode=instance("decode"))
-
-
-def load_cluster_info(name: str) -> ClusterInfo:
-    """The named cluster's ClusterInfo. Raises BadInput for an unknown cluster."""
-    try:
-        from kvctl.cluster.spec import load_cluster
-    except ModuleNotFoundError as e:
-        if e.name != "kvctl.cluster.spec":
-            raise
-        return cluster_info(_read_cluster_json(name))
-    return cluster_info(load_cluster(name))
-
-
-def _read_cluster_json(name: str) -> dict:
-    # Stand-in for kvctl.cluster.spec.load_cluster until that module exists.
-    path = kvctl_home() / "clusters" / name / "cluster.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"no cluster named {name!r}", where=str(path),
-                       fix="start one with `kvctl launch 1p1d` (or pass --name of a running one; "
-                           "see `kvctl status`)") from None
-    except ValueError as e:
-        raise BadInput(f"cluster state of {name!r} is not valid JSON: {e}", where=str(path),
-                       fix=f"tear it down with `kvctl down --name {name}` and launch again") from None
-
-
-def expected_send_children(kv_transfer_config: dict) -> list[tuple[int, str]]:
-    """(index, name) of each MultiConnectorV0 child that P sends to; [] if not multi."""
-    cfg = kv_transfer_config or {}
-    if cfg.get("kv_connector") != "MultiConnectorV0":
-        return []
-    children = (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
-    parent_role = cfg.get("kv_role")
-    out = []
-    for i, child in enumerate(children):
-        if not isinstance(child, dict):
-            continue
-        role = child.get("kv_role") or parent_role  # a child without a role acts as its parent
-        if role in ("kv_producer", "kv_both"):
-            out.append((i, str(child.get("kv_connector"))))
-    return out
-
-
-# ------------------------------------------------------------------ logs
-
-
-class LogFile:
-    """An instance's log file, read from a remembered byte offset onwards."""
-
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-
-    def offset(self) -> int:
-        try:
-            return self.path.stat().st_size
-        except FileNotFoundError:
-            return 0
-
-    def read_from(self, offset: int) -> str:
-        """Text logged since `offset` (from the start if the file was truncated)."""
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(0, 2)
-                if f.tell() < offset:
-                    offset = 0
-                f.seek(offset)
-                return f.read().decode("utf-8", errors="replace")
-        except FileNotFoundError:
-            return ""
-
-
-def poll(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float) -> Any:
-    """Call read() until done(value) or timeout; returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if done(value) or time.monotonic() >= deadline:
-            return value
-        time.sleep(LOG_POLL_S)
-
-
-# ------------------------------------------------------------------ checks (pure)
-
-
-@dataclass
-class CheckResult:
-    name: str
-    passed: bool
-    evidence: str
-
-    def to_json(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "evidence": self.evidence}
-
-
-@dataclass(frozen=True)
-class KeyMatch:
-    """Which KV send line is this request's, and how we know."""
-
-    key: str
-    send: markers.KVSendLine | None
-    identity: KVIdentity | None
-    how: str
-
-
-def match_request_key(sends: Sequence[markers.KVSendLine], tokens: Sequence[int], store: Path,
-                      known: KVIdentity | None = None) -> KeyMatch | None:
-    """Find this prompt's send line among P's new KV send lines.
-
-    A line matches when its key equals compute_key(identity, tokens), with the
-    identity known from an earlier request or read from the entry's header:
-    safe with other requests' lines interleaved. Falls back to the only line
-    with this prompt's token count (then `identity` is None).
-    """
-    candidates = [s for s in sends if s.key and (s.tokens is None or s.tokens == len(tokens))]
-    if known is not None:
-        expected = compute_key(known, tokens)
-        for s in candidates:
-            if s.key == expected:
-                return KeyMatch(expected, s, known, "key = compute_key(identity, /tokenize ids)")
-    unreadable = []  # entries we cannot open: maybe ours, maybe not
-    for s in candidates:
-        try:
-            identity = parse_header(entry_path(store, s.key)).identity
-        except (EntryCorrupt, OSError):
-            unreadable.append(s)
-            continue
-        if compute_key(identity, tokens) == s.key:
-            return KeyMatch(s.key, s, identity, "key = compute_key(entry identity, /tokenize ids)")
-    if len({s.key for s in unreadable}) == 1:
-        return KeyMatch(unreadable[-1].key, unreadable[-1], None,
-                        f"the only KV send line with tokens={len(tokens)} whose entry is unreadable")
-    return None
-
-
-def check_kv_send_logged(match: KeyMatch | None, p_text: str, num_tokens: int,
-                         children: Sequence[tuple[int, str]] = ()) -> CheckResult:
-    """P logged `KV send DONE` for this request (and `sent to connector` per child)."""
-    name = "kv_send_logged"
-    if match is None or match.send is None:
-        seen = markers.kv_sends(p_text)
-        shown = "; ".join(s.line for s in seen[-3:]) or "none"
-        return CheckResult(name, False, f"no `{markers.KV_SEND}` line for this prompt ({num_tokens} tokens) "
-                                        f"in P's log since the request; KV send lines seen: {shown}")
-    evidence = [match.send.line]
-    if match.send.tokens is not None and match.send.tokens != num_tokens:
-        return CheckResult(name, False, f"send line has tokens={match.send.tokens}, /tokenize gave "
-                                        f"{num_tokens}: {match.send.line}")
-    sent = markers.child_sends(p_text)
-    failed = markers.child_failures(p_text)
-    problems = []
-    for index, child_name in children:
-        fail = [f for f in failed if f.child == index and f.name == child_name]
-        if fail:
-            problems.append(fail[0].line)
-            continue
-        ok = [s for s in sent if s.name == child_name and s.child in (None, index)]
-        if ok:
-            evidence.append(ok[0].line)
-        else:
-            problems.append(f"no `sent to connector {child_name}` line for child {index}")
-    if problems:
-        return CheckResult(name, False, "; ".join(problems + evidence))
-    return CheckResult(name, True, " | ".join(evidence))
-
-
-def check_store_entry_written(store: Path, key: str, tokens: Sequence[int]) -> CheckResult:
-    """The entry for `key` exists, validates, and is for exactly these token ids."""
-    name = "store_entry_written"
-    if not key:
-        return CheckResult(name, False, f"no key known for this prompt (P logged no KV send); store {store}")
-    path = entry_path(store, key)
-    try:
-        header, data = read_entry(path)
-    except FileNotFoundError:
-        return CheckResult(name, False, f"no entry at {path}")
-    except EntryCorrupt as e:
-        return CheckResult(name, False, f"corrupt entry {path}: {e.reason}")
-    except OSError as e:
-        return CheckResult(name, False, f"cannot read {path}: {e}")
-    stored = token_ids_of(header, data)
-    if stored != list(tokens):
-        pos = first_difference(stored, tokens)
-        return CheckResult(name, False, f"{path}: stored token ids differ from /tokenize at position {pos} "
-                                        f"({len(stored)} vs {len(tokens)} tokens)")
-    recomputed = compute_key(header.identity, tokens)
-    if recomputed != key:
-        return CheckResult(name, False, f"{path}: compute_key(entry identity, /tokenize ids) = {recomputed}, "
-                                        f"not the file's key")
-    ident = header.identity
-    return CheckResult(name, True, f"{path} ({header.file_size} bytes, {len(stored)} tokens, "
-                                   f"{ident.num_layers} layers x {ident.kv_heads} kv heads x {ident.head_size}, "
-                                   f"{ident.dtype}); checksum ok; key recomputed from identity + tokens")
-
-
-def check_decode_skipped_forward(d_text: str, key: str, hint: str = "") -> CheckResult:
-    """D logged `skip model forwarding` with this key and no `redo` for it.
-
-    `hint` is appended to a failure's evidence (e.g. D has no kv-transfer-config).
-    """
-    name = "decode_skipped_forward"
-    skips = markers.skip_forwards(d_text)
-    redos = markers.redo_forwards(d_text)
-    if not key:
-        return CheckResult(name, False, "no key known for this prompt (P logged no KV send), so no D line "
-                                        f"can be matched; D logged {len(skips)} skip and {len(redos)} redo lines")
-    mine_redo = [r for r in redos if r.mentions(key)]
-    if mine_redo:
-        return CheckResult(name, False, f"D redid the forward pass for key {key}: {mine_redo[0].line}")
-    mine_skip = [s for s in skips if key in s.keys]
-    if mine_skip:
-        return CheckResult(name, True, mine_skip[0].line)
-    others = f"; other lines: {skips[-1].line if skips else (redos[-1].line if redos else 'none')}"
-    return CheckResult(name, False, f"D logged no `{markers.SKIP_FORWARD}` line for key {key} "
-                                    f"({len(skips)} skip / {len(redos)} redo lines since the request{others})"
-                                    + (f"; {hint}" if hint else ""))
-
-
-def check_output_matches_baseline(decode: ChatResult, baseline: ChatResult) -> CheckResult:
-    """D's tokens (or text, when ids are unavailable) equal the baseline's."""
-    name = "output_matches_baseline"
-    if decode.token_ids is not None and baseline.token_ids is not None:
-        d_ids, b_ids = decode.token_ids, baseline.token_ids
-        if d_ids == b_ids and decode.text == baseline.text:
-            return CheckResult(name, True, f"{len(d_ids)} tokens identical ({BASELINE_KIND})")
-        pos = first_difference(d_ids, b_ids)
-        return CheckResult(name, False, f"first differing token at position {pos}: decode "
-                                        f"{_token_at(decode, pos)} vs baseline {_token_at(baseline, pos)}; "
-                                        f"decode text {_quote(decode.text)}; baseline text {_quote(baseline.text)}")
-    if decode.text == baseline.text:
-        return CheckResult(name, True, f"texts identical, {len(decode.text)} chars (token ids unavailable)")
-    pos = first_difference(decode.text, baseline.text)
-    return CheckResult(name, False, f"texts differ from character {pos} (token ids unavailable); "
-                                    f"decode {_quote(decode.text)}; baseline {_quote(baseline.text)}")
-
-
-def first_difference(a: Sequence, b: Sequence) -> int:
-    """Index of the first differing element; the shorter length if one is a prefix."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-def _token_at(result: ChatResult, pos: int) -> str:
-    ids = result.token_ids or []
-    if pos >= len(ids):
-        return "<end>"
-    text = (result.token_strs or [""] * len(ids))[pos]
-    return f"{ids[pos]} {text!r}"
-
-
-def _quote(text: str) -> str:
-    return repr(text if len(text) <= EVIDENCE_TEXT_CHARS else text[:EVIDENCE_TEXT_CHARS] + "...")
-
-
-# ------------------------------------------------------------------ report
-
-
-@dataclass
-class RequestReport:
-    prompt: str
-    prompt_tokens: int
-    key: str
-    checks: list[CheckResult] = field(default_factory=list)
-    decode_output: str = ""
-    baseline_output: str = ""
-    prefill_latency_s: float | None = None
-    decode_latency_s: float | None = None
-    baseline_latency_s: float | None = None
-    transfer_bytes: int | None = None
-    send_ms: float | None = None
-    recv_ms: float | None = None
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.checks) and all(c.passed for c in self.checks)
-
-    def check(self, name: str) -> CheckResult | None:
-        return next((c for c in self.checks if c.name == name), None)
-
-    def to_json(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens, "key": self.key,
-            "checks": [c.to_json() for c in self.checks],
-            "decode_output": self.decode_output, "baseline_output": self.baseline_output,
-            "passed": self.passed, "prompt": self.prompt,
-            "prefill_latency_s": _round(self.prefill_latency_s),
-            "decode_latency_s": _round(self.decode_latency_s),
-            "baseline_latency_s": _round(self.baseline_latency_s),
-            "transfer_bytes": self.transfer_bytes, "send_ms": self.send_ms, "recv_ms": self.recv_ms,
-        }
-
-
-@dataclass
-class VerifyReport:
-    cluster: str
-    requests: list[RequestReport]
-    max_tokens: int
-    baseline: str = BASELINE_KIND
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.requests) and all(r.passed for r in self.requests)
-
-    def to_json(self) -> dict:
-        return {"cluster": self.cluster, "passed": self.passed,
-                "requests": [r.to_json() for r in self.requests],
-                "baseline": self.baseline, "max_tokens": self.max_tokens}
-
-
-def _round(v: float | None) -> float | None:
-    return None if v is None else round(v, 4)
-
-
-# ------------------------------------------------------------------ driving a cluster
+Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|baseline|done)
+SendChildren = Sequence[tuple[int, str]]  # (child index, connector name) of P's children that must log a send
 
 
 @dataclass
@@ -452,20 +73,28 @@ class PrefillOutcome:
         return self.match.key if self.match else ""
 
 
-Progress = Callable[[int, int, str], None]  # (request index, total, stage)
+def expected_send_children(prefill_config: dict | None) -> list[tuple[int, str]]:
+    """(index, name) of each MultiConnectorV0 child P sends to (connectors.config.topology's rule)."""
+    return [(c.index, c.connector or "") for c in sending_children(prefill_config)]
 
 
 class ClusterVerifier:
-    """Runs the per-request steps against one cluster; safe to call from threads."""
+    """Runs the per-request steps against one cluster; safe to call from threads.
 
-    def __init__(self, info: ClusterInfo, *, log_wait_s: float = LOG_WAIT_S):
+    `send_children`: the children whose `sent to connector` line P must log
+    per request; default: every sending child of P's config.
+    """
+
+    def __init__(self, info: ClusterInfo, *, log_wait_s: float = LOG_WAIT_S,
+                 send_children: SendChildren | None = None):
         self.info = info
         self.log_wait_s = log_wait_s
         self.prefill = VLLMClient(info.prefill.url, info.model, role="prefill")
         self.decode = VLLMClient(info.decode.url, info.model, role="decode")
         self.p_log = LogFile(info.prefill.log_path)
         self.d_log = LogFile(info.decode.log_path)
-        self.children = expected_send_children(info.prefill.kv_transfer_config)
+        self.children = (list(send_children) if send_children is not None
+                         else expected_send_children(info.prefill.kv_transfer_config))
         self._identity: KVIdentity | None = None  # learned from the first matched entry
         self._lock = threading.Lock()
 
@@ -546,102 +175,78 @@ class ClusterVerifier:
             recv_ms=skip.ms if skip else None)
 
 
-def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLine | None, store: Path,
-                   key: str) -> int | None:
-    """Bytes of this prompt's KV that travelled.
+# ------------------------------------------------------------------ the one loop
 
-    D's skip line sums every prompt of its step (several when requests batch);
-    P's send line says bytes=0 when the entry already existed; the entry's own
-    data size settles both cases.
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How `run_verify` goes through the prompts."""
+
+    max_tokens: int = DEFAULT_MAX_TOKENS  # tokens D and the baseline generate
+    concurrency: int = 1  # requests in flight at once (1: one after another, in this thread)
+    keep_going: bool = False  # a request that raises becomes a failed ERROR_CHECK instead of stopping the run
+    send_children: SendChildren | None = None  # see ClusterVerifier; None: every sending child of P
+    log_wait_s: float = LOG_WAIT_S
+
+
+@dataclass
+class VerifyRun:
+    """A finished run: the report, and how long the requests took."""
+
+    report: VerifyReport
+    wall_s: float
+
+
+def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
+               options: RunOptions = RunOptions(), progress: Progress | None = None) -> VerifyRun:
+    """Verify every prompt against the cluster; the one driver of verify, load mode and scenarios.
+
+    `progress(i, total, stage)` is called as request i reaches each stage and
+    with "done" when it is finished. Raises BadInput for empty prompts,
+    max_tokens < 1 or concurrency < 1 (fields `prompts`, `max_tokens`,
+    `concurrency`); without `keep_going`, RuntimeFailure when an instance
+    cannot be reached or answers with an error.
     """
-    if skip is None:
-        return send.bytes if send else None
-    if len(skip.keys) == 1:
-        return skip.bytes
-    if send and send.bytes:
-        return send.bytes
-    try:
-        return parse_header(entry_path(store, key)).data_len
-    except (EntryCorrupt, OSError):
-        return None  # evicted since: unknown, rather than the whole batch's bytes
-
-
-def check_prompts(prompts: Iterable[str]) -> list[str]:
-    """The prompts, or BadInput naming the empty one."""
-    out = list(prompts)
-    if not out:
-        raise BadInput("no prompts to verify", fix="pass --prompt TEXT or --prompts FILE with at least one prompt")
-    for i, p in enumerate(out):
-        if not isinstance(p, str) or not p.strip():
-            raise BadInput(f"prompt {i + 1} is empty", where=f"prompts[{i}]",
-                           fix="give every prompt some text")
-    return out
-
-
-def load_prompts_file(path: Path | str) -> list[str]:
-    """Prompts from a file: a JSON list of strings, or one prompt per non-blank line.
-
-    Raises BadInput for an unreadable file, bad JSON or an empty prompt list.
-    """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"cannot read prompts file: {e}", where=str(path),
-                       fix="pass a readable UTF-8 file: a JSON list of strings or one prompt per line") from None
-    if path.suffix == ".json" or text.lstrip().startswith("["):
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise BadInput(f"prompts file is not valid JSON: {e}", where=str(path),
-                           fix='write a JSON list of strings, e.g. ["Hello", "Tell me a story"]') from None
-        if not isinstance(data, list) or not all(isinstance(p, str) for p in data):
-            raise BadInput("prompts file must hold a JSON list of strings", where=str(path),
-                           fix='write e.g. ["Hello", "Tell me a story"]')
-        prompts = data
-    else:
-        prompts = [line for line in text.splitlines() if line.strip()]
-    try:
-        return check_prompts(prompts)
-    except BadInput as e:
-        raise BadInput(e.what, where=f"{path}: {e.where}" if e.where else str(path), fix=e.fix) from None
-
-
-def prepare_run(state: Any, prompts: Sequence[str], max_tokens: int,
-                concurrency: int) -> tuple[ClusterInfo, list[str]]:
-    """The cluster's info and the checked prompts. Raises BadInput for a bad prompt, K or C."""
     info = state if isinstance(state, ClusterInfo) else cluster_info(state)
     prompts = check_prompts(prompts)
-    if max_tokens < 1:
-        raise BadInput(f"max tokens must be at least 1, got {max_tokens}", where="--max-tokens",
-                       fix="pass --max-tokens 16 (or any K >= 1)")
-    if concurrency < 1:
-        raise BadInput(f"concurrency must be at least 1, got {concurrency}", where="--concurrency",
-                       fix="pass --concurrency 8")
-    return info, prompts
-
-
-def verify_cluster(state: Any, prompts: Sequence[str] = DEFAULT_PROMPTS,
-                   max_tokens: int = DEFAULT_MAX_TOKENS, progress: Progress | None = None, *,
-                   concurrency: int = 1, log_wait_s: float = LOG_WAIT_S) -> VerifyReport:
-    """Verify every prompt against the cluster (ClusterState, its dict, or ClusterInfo).
-
-    Raises BadInput for empty prompts or max_tokens < 1, RuntimeFailure when an
-    instance cannot be reached or answers with an error.
-    """
-    info, prompts = prepare_run(state, prompts, max_tokens, concurrency)
+    if options.max_tokens < 1:
+        raise BadInput(f"max tokens must be at least 1, got {options.max_tokens}", field="max_tokens",
+                       fix="use 16 (or any K >= 1)")
+    if options.concurrency < 1:
+        raise BadInput(f"concurrency must be at least 1, got {options.concurrency}", field="concurrency",
+                       fix="use 8 (or any C >= 1)")
     total = len(prompts)
     report = progress or (lambda i, n, s: None)
 
-    with ClusterVerifier(info, log_wait_s=log_wait_s) as verifier:
+    with ClusterVerifier(info, log_wait_s=options.log_wait_s, send_children=options.send_children) as verifier:
         def one(i: int) -> RequestReport:
-            result = verifier.verify_prompt(prompts[i], max_tokens, lambda s: report(i, total, s))
+            try:
+                result = verifier.verify_prompt(prompts[i], options.max_tokens, lambda s: report(i, total, s))
+            except KvctlError as e:
+                if not options.keep_going:
+                    raise
+                # HTTP error or unreachable server: count it and go on
+                result = RequestReport(prompt=prompts[i], prompt_tokens=0, key="",
+                                       checks=[CheckResult(ERROR_CHECK, False, e.message.replace("\n", "; "))])
             report(i, total, "done")
             return result
 
-        if concurrency == 1:
+        start = time.perf_counter()
+        if options.concurrency == 1:
             requests = [one(i) for i in range(total)]
         else:
-            with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            with ThreadPoolExecutor(max_workers=options.concurrency) as pool:
                 requests = list(pool.map(one, range(total)))
-    return VerifyReport(cluster=info.name, requests=requests, max_tokens=max_tokens)
+        wall = time.perf_counter() - start
+    return VerifyRun(VerifyReport(cluster=info.name, requests=requests, max_tokens=options.max_tokens), wall)
+
+
+def verify_cluster(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str] = DEFAULT_PROMPTS,
+                   max_tokens: int = DEFAULT_MAX_TOKENS, progress: Progress | None = None, *,
+                   concurrency: int = 1, log_wait_s: float = LOG_WAIT_S) -> VerifyReport:
+    """`kvctl verify`: every prompt against the cluster (ClusterState, its dict, or ClusterInfo).
+
+    Stops at the first request that raises. Raises as `run_verify`.
+    """
+    options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, log_wait_s=log_wait_s)
+    return run_verify(state, prompts, options, progress).report

@@ -1,18 +1,41 @@
-"""Verify views: the request x check table and the load figures."""
+"""Verify views: the request progress bar, the request x check table and the load figures."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from rich import box
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from kvctl.verify.checks import CHECKS
 from kvctl.verify.load_mode import LoadReport
-from kvctl.verify.verifier import CHECKS, VerifyReport
+from kvctl.verify.report import VerifyReport
+from kvctl.verify.verifier import Progress as RequestProgress
+from kvctl.views.output import Output
 
 # Short column headers keep the table within 80 columns; the caption spells them out.
 _SHORT = {"kv_send_logged": "send", "store_entry_written": "store", "decode_skipped_forward": "skip",
           "output_matches_baseline": "match"}
+
+
+@contextlib.contextmanager
+def request_bar(out: Output, label: str, total: int) -> Iterator[RequestProgress]:
+    """A transient bar on stderr while requests run; yields the driver's progress callback."""
+    with Progress(TextColumn("[bold]verify[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=out.stderr, transient=True) as bar:
+        task = bar.add_task(label, total=total)
+
+        def progress(i: int, n: int, stage: str) -> None:
+            if stage == "done":
+                bar.advance(task)
+            else:
+                bar.update(task, description=f"{label}: request {i + 1}/{n} {stage}")
+
+        yield progress
 
 
 def render_verify_report(report: VerifyReport, console: Console) -> None:

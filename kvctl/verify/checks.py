@@ -1,0 +1,217 @@
+"""The four checks per request, and what they read: pure over log text, store files and chat results.
+
+    kv_send_logged          P logged `KV send DONE` for this prompt (and `sent to connector` per child)
+    store_entry_written     the entry exists, validates, and holds exactly this prompt's token ids
+    decode_skipped_forward  D logged `skip model forwarding` with this key, and no `redo`
+    output_matches_baseline D's tokens equal the baseline's (P with the same max_tokens)
+
+Each check returns a CheckResult with its evidence (a log line, a file, a
+token diff); none raises for a failed check. Nothing here talks to a server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from connectors.store.format import (EntryCorrupt, KVIdentity, compute_key, entry_path,
+                                     parse_header, read_entry, token_ids_of)
+from kvctl.client import ChatResult
+from kvctl.verify import markers
+
+CHECKS = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
+ERROR_CHECK = "request_completed"  # the check a request that raised fails (HTTP error, dead server)
+BASELINE_KIND = "prefill instance, full generation"
+EVIDENCE_TEXT_CHARS = 200  # outputs quoted in evidence are cut to this
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    evidence: str
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "passed": self.passed, "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class KeyMatch:
+    """Which KV send line is this request's, and how we know."""
+
+    key: str
+    send: markers.KVSendLine | None
+    identity: KVIdentity | None
+    how: str
+
+
+def match_request_key(sends: Sequence[markers.KVSendLine], tokens: Sequence[int], store: Path,
+                      known: KVIdentity | None = None) -> KeyMatch | None:
+    """Find this prompt's send line among P's new KV send lines.
+
+    A line matches when its key equals compute_key(identity, tokens), with the
+    identity known from an earlier request or read from the entry's header:
+    safe with other requests' lines interleaved. Falls back to the only line
+    with this prompt's token count (then `identity` is None).
+    """
+    candidates = [s for s in sends if s.key and (s.tokens is None or s.tokens == len(tokens))]
+    if known is not None:
+        expected = compute_key(known, tokens)
+        for s in candidates:
+            if s.key == expected:
+                return KeyMatch(expected, s, known, "key = compute_key(identity, /tokenize ids)")
+    unreadable = []  # entries we cannot open: maybe ours, maybe not
+    for s in candidates:
+        try:
+            identity = parse_header(entry_path(store, s.key)).identity
+        except (EntryCorrupt, OSError):
+            unreadable.append(s)
+            continue
+        if compute_key(identity, tokens) == s.key:
+            return KeyMatch(s.key, s, identity, "key = compute_key(entry identity, /tokenize ids)")
+    if len({s.key for s in unreadable}) == 1:
+        return KeyMatch(unreadable[-1].key, unreadable[-1], None,
+                        f"the only KV send line with tokens={len(tokens)} whose entry is unreadable")
+    return None
+
+
+def check_kv_send_logged(match: KeyMatch | None, p_text: str, num_tokens: int,
+                         children: Sequence[tuple[int, str]] = ()) -> CheckResult:
+    """P logged `KV send DONE` for this request (and `sent to connector` per child)."""
+    name = "kv_send_logged"
+    if match is None or match.send is None:
+        seen = markers.kv_sends(p_text)
+        shown = "; ".join(s.line for s in seen[-3:]) or "none"
+        return CheckResult(name, False, f"no `{markers.KV_SEND}` line for this prompt ({num_tokens} tokens) "
+                                        f"in P's log since the request; KV send lines seen: {shown}")
+    evidence = [match.send.line]
+    if match.send.tokens is not None and match.send.tokens != num_tokens:
+        return CheckResult(name, False, f"send line has tokens={match.send.tokens}, /tokenize gave "
+                                        f"{num_tokens}: {match.send.line}")
+    sent = markers.child_sends(p_text)
+    failed = markers.child_failures(p_text)
+    problems = []
+    for index, child_name in children:
+        fail = [f for f in failed if f.child == index and f.name == child_name]
+        if fail:
+            problems.append(fail[0].line)
+            continue
+        ok = [s for s in sent if s.name == child_name and s.child in (None, index)]
+        if ok:
+            evidence.append(ok[0].line)
+        else:
+            problems.append(f"no `sent to connector {child_name}` line for child {index}")
+    if problems:
+        return CheckResult(name, False, "; ".join(problems + evidence))
+    return CheckResult(name, True, " | ".join(evidence))
+
+
+def check_store_entry_written(store: Path, key: str, tokens: Sequence[int]) -> CheckResult:
+    """The entry for `key` exists, validates, and is for exactly these token ids."""
+    name = "store_entry_written"
+    if not key:
+        return CheckResult(name, False, f"no key known for this prompt (P logged no KV send); store {store}")
+    path = entry_path(store, key)
+    try:
+        header, data = read_entry(path)
+    except FileNotFoundError:
+        return CheckResult(name, False, f"no entry at {path}")
+    except EntryCorrupt as e:
+        return CheckResult(name, False, f"corrupt entry {path}: {e.reason}")
+    except OSError as e:
+        return CheckResult(name, False, f"cannot read {path}: {e}")
+    stored = token_ids_of(header, data)
+    if stored != list(tokens):
+        pos = first_difference(stored, tokens)
+        return CheckResult(name, False, f"{path}: stored token ids differ from /tokenize at position {pos} "
+                                        f"({len(stored)} vs {len(tokens)} tokens)")
+    recomputed = compute_key(header.identity, tokens)
+    if recomputed != key:
+        return CheckResult(name, False, f"{path}: compute_key(entry identity, /tokenize ids) = {recomputed}, "
+                                        f"not the file's key")
+    ident = header.identity
+    return CheckResult(name, True, f"{path} ({header.file_size} bytes, {len(stored)} tokens, "
+                                   f"{ident.num_layers} layers x {ident.kv_heads} kv heads x {ident.head_size}, "
+                                   f"{ident.dtype}); checksum ok; key recomputed from identity + tokens")
+
+
+def check_decode_skipped_forward(d_text: str, key: str, hint: str = "") -> CheckResult:
+    """D logged `skip model forwarding` with this key and no `redo` for it.
+
+    `hint` is appended to a failure's evidence (e.g. D has no kv-transfer-config).
+    """
+    name = "decode_skipped_forward"
+    skips = markers.skip_forwards(d_text)
+    redos = markers.redo_forwards(d_text)
+    if not key:
+        return CheckResult(name, False, "no key known for this prompt (P logged no KV send), so no D line "
+                                        f"can be matched; D logged {len(skips)} skip and {len(redos)} redo lines")
+    mine_redo = [r for r in redos if r.mentions(key)]
+    if mine_redo:
+        return CheckResult(name, False, f"D redid the forward pass for key {key}: {mine_redo[0].line}")
+    mine_skip = [s for s in skips if key in s.keys]
+    if mine_skip:
+        return CheckResult(name, True, mine_skip[0].line)
+    others = f"; other lines: {skips[-1].line if skips else (redos[-1].line if redos else 'none')}"
+    return CheckResult(name, False, f"D logged no `{markers.SKIP_FORWARD}` line for key {key} "
+                                    f"({len(skips)} skip / {len(redos)} redo lines since the request{others})"
+                                    + (f"; {hint}" if hint else ""))
+
+
+def check_output_matches_baseline(decode: ChatResult, baseline: ChatResult) -> CheckResult:
+    """D's tokens (or text, when ids are unavailable) equal the baseline's."""
+    name = "output_matches_baseline"
+    if decode.token_ids is not None and baseline.token_ids is not None:
+        d_ids, b_ids = decode.token_ids, baseline.token_ids
+        if d_ids == b_ids and decode.text == baseline.text:
+            return CheckResult(name, True, f"{len(d_ids)} tokens identical ({BASELINE_KIND})")
+        pos = first_difference(d_ids, b_ids)
+        return CheckResult(name, False, f"first differing token at position {pos}: decode "
+                                        f"{_token_at(decode, pos)} vs baseline {_token_at(baseline, pos)}; "
+                                        f"decode text {_quote(decode.text)}; baseline text {_quote(baseline.text)}")
+    if decode.text == baseline.text:
+        return CheckResult(name, True, f"texts identical, {len(decode.text)} chars (token ids unavailable)")
+    pos = first_difference(decode.text, baseline.text)
+    return CheckResult(name, False, f"texts differ from character {pos} (token ids unavailable); "
+                                    f"decode {_quote(decode.text)}; baseline {_quote(baseline.text)}")
+
+
+def first_difference(a: Sequence, b: Sequence) -> int:
+    """Index of the first differing element; the shorter length if one is a prefix."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _token_at(result: ChatResult, pos: int) -> str:
+    ids = result.token_ids or []
+    if pos >= len(ids):
+        return "<end>"
+    text = (result.token_strs or [""] * len(ids))[pos]
+    return f"{ids[pos]} {text!r}"
+
+
+def _quote(text: str) -> str:
+    return repr(text if len(text) <= EVIDENCE_TEXT_CHARS else text[:EVIDENCE_TEXT_CHARS] + "...")
+
+
+def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLine | None, store: Path,
+                   key: str) -> int | None:
+    """Bytes of this prompt's KV that travelled.
+
+    D's skip line sums every prompt of its step (several when requests batch);
+    P's send line says bytes=0 when the entry already existed; the entry's own
+    data size settles both cases.
+    """
+    if skip is None:
+        return send.bytes if send else None
+    if len(skip.keys) == 1:
+        return skip.bytes
+    if send and send.bytes:
+        return send.bytes
+    try:
+        return parse_header(entry_path(store, key)).data_len
+    except (EntryCorrupt, OSError):
+        return None  # evicted since: unknown, rather than the whole batch's bytes
