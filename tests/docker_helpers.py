@@ -47,7 +47,7 @@ def skip_or_fail(why: str) -> None:
 def engine_client() -> Any:
     """A client of the default engine (DOCKER_HOST or the local socket); skips/fails without one."""
     from kvctl.errors import KvctlError
-    from kvctl.runtime.docker import connect
+    from kvctl.runtime.docker_engine import connect
 
     try:
         return connect(None)
@@ -111,7 +111,7 @@ class ExtraDockerd:
 
     def start(self) -> ExtraDockerd:
         from kvctl.errors import KvctlError
-        from kvctl.runtime.docker import connect
+        from kvctl.runtime.docker_engine import connect
 
         if shutil.which("dockerd") is None:
             skip_or_fail("dockerd is not installed (scripts/ensure-docker.sh installs it)")

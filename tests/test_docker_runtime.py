@@ -168,7 +168,8 @@ def test_image_build_is_cached_by_content_and_gpu_dockerfile_builds_on_cpu_image
 def test_default_image_is_this_checkouts_cpu_image_and_gpu_latest_with_gpus():
     """Launches elsewhere pass --image: the content tag moves whenever a project file changes."""
     from kvctl.provision.images import default_image
-    from kvctl.runtime.docker import DockerOptions, DockerRuntime
+    from kvctl.runtime.docker import DockerRuntime
+    from kvctl.runtime.docker_options import DockerOptions
 
     assert DockerRuntime().image_ref() == default_image("cpu")
     assert re.fullmatch(r"kvctl-cpu:[0-9a-f]{16}", default_image("cpu"))
@@ -202,7 +203,8 @@ def test_port_in_use_shows_the_engines_error_and_leaves_nothing(kvctl_home, main
     """The engine itself refuses the port (the CLI's own pre-check is bypassed here)."""
     from kvctl.errors import RuntimeFailure
     from kvctl.runtime.base import InstanceSpec
-    from kvctl.runtime.docker import DockerOptions, DockerRuntime
+    from kvctl.runtime.docker import DockerRuntime
+    from kvctl.runtime.docker_options import DockerOptions
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

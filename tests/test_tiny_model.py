@@ -76,7 +76,7 @@ def test_foreign_out_is_refused_and_untouched(tmp_path: Path, setup, what):
     before = _contents(out) if out.is_dir() else out.read_bytes()
     with pytest.raises(BadInput, match=what) as e:
         write_model(out)
-    assert e.value.fix and e.value.where == "--out"
+    assert e.value.fix and e.value.fields == ("out",)
     assert (_contents(out) if out.is_dir() else out.read_bytes()) == before
 
 

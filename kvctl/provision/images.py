@@ -7,8 +7,8 @@ reuses a stale image:
     kvctl-base:<h>  mmdebstrap rootfs (the host's Debian suite and apt sources,
                     BASE_PACKAGES) → `docker import`; no registry involved
     kvctl-cpu:<h>   docker/Dockerfile.cpu FROM kvctl-base: the rig recipe of
-                    kvctl/rig.py with its pins, plus this project
-    kvctl-gpu:<h>   docker/Dockerfile.gpu FROM --base-image (default the official
+                    kvctl/provision/rig.py with its pins, plus this project
+    kvctl-gpu:<h>   docker/Dockerfile.gpu FROM a base image (default the official
                     vLLM 0.9.2 image; its image id is part of the hash)
 
 The build context is made here, holding only what goes in (see the
@@ -26,7 +26,6 @@ import hashlib
 import io
 import json
 import logging
-import subprocess
 import tarfile
 import tempfile
 import time
@@ -37,6 +36,9 @@ from typing import Any, Literal
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home, project_root
+from kvctl.provision.rig import default_spec, digest
+from kvctl.runtime.docker_engine import connect
+from kvctl.subprocesses import TAIL_LINES, run_streamed
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,6 @@ CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundl
 APT_SOURCES = ("/etc/apt/sources.list", "/etc/apt/sources.list.d")
 KEEP_TAGS = 3  # per repo: older kvctl-cpu:<h> tags are removed after a build
 BUILD_CPU_SHARES = 256  # the build containers' CPU weight (docker's default is 1024)
-OUTPUT_TAIL_LINES = 30  # lines of build output in an error's details
 # ---------------------------------------------------------------------------------
 
 Kind = Literal["cpu", "gpu"]
@@ -108,8 +109,8 @@ class BuildPlan:
         return buf
 
 
-def _digest(parts: Any) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+def _tag_hash(parts: Any) -> str:
+    return digest(parts)[:16]
 
 
 def _files_digest(files: tuple[tuple[str, bytes], ...]) -> list[list[str]]:
@@ -177,13 +178,11 @@ def debian_release() -> tuple[str, str]:
 
 def base_tag() -> str:
     suite, sources = debian_release()
-    return f"{REPOS['base']}:{_digest(['base', suite, sources, list(BASE_PACKAGES)])}"
+    return f"{REPOS['base']}:{_tag_hash(['base', suite, sources, list(BASE_PACKAGES)])}"
 
 
 def rig_spec_json() -> bytes:
     """The rig pins for the image: this host's spec, with the image's own python."""
-    from kvctl.provision.rig import default_spec
-
     spec = dataclasses.replace(default_spec(), python="")
     return (json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n").encode()
 
@@ -205,7 +204,7 @@ def plan_cpu() -> BuildPlan:
              ("build/rig-install.py", _docker_file("rig-install.py")),
              *project_files())
     args = {"BASE_IMAGE": base}
-    h = _digest(["cpu", args, _files_digest(files)])
+    h = _tag_hash(["cpu", args, _files_digest(files)])
     return BuildPlan("cpu", f"{REPOS['cpu']}:{h}", base, args, files)
 
 
@@ -219,7 +218,7 @@ def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str]) -> Buil
              ("build/ca.crt", ca_bundle()),
              ("build/patch-vllm-lmcache.py", _docker_file("patch-vllm-lmcache.py")),
              *project_files())
-    h = _digest(["gpu", args, base_id, _files_digest(files)])
+    h = _tag_hash(["gpu", args, base_id, _files_digest(files)])
     return BuildPlan("gpu", f"{REPOS['gpu']}:{h}", base_image, args, files)
 
 
@@ -252,7 +251,7 @@ class _BuildLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path, self.tag, self.emit = path, tag, emit
         self.file = open(path, "a", buffering=1)
-        self.tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
     def line(self, text: str) -> None:
         self.file.write(text + "\n")
@@ -285,24 +284,15 @@ def _build_base(client: Any, tag: str, emit: Progress) -> None:
             argv = ["nice", "-n", "10", "mmdebstrap", "--variant=minbase",
                     "--include=" + ",".join(BASE_PACKAGES), suite, str(rootfs), "-"]
             try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, errors="replace")
+                # The host's apt sources go in on stdin ("-").
+                done = run_streamed(argv, blog.line, input_text=sources)
             except FileNotFoundError:
                 raise BadInput("mmdebstrap is not installed (it makes the base image without a "
                                "registry)", where="PATH",
                                fix="apt-get install mmdebstrap (scripts/ensure-docker.sh does it)") from None
-            try:
-                proc.stdin.write(sources)  # the host's apt sources, read from stdin ("-")
-                proc.stdin.close()
-                for line in proc.stdout:
-                    blog.line(line.rstrip("\n"))
-                rc = proc.wait()
-            finally:
-                if proc.poll() is None:  # interrupted: do not leave it running
-                    proc.kill()
-                    proc.wait()
-            if rc != 0:
-                raise RuntimeFailure(f"mmdebstrap exited with status {rc}", where=str(blog.path),
+            if done.returncode != 0:
+                raise RuntimeFailure(f"mmdebstrap exited with status {done.returncode}",
+                                     where=str(blog.path),
                                      fix="read the output below (apt sources, network, disk space)",
                                      details="\n".join(blog.tail))
             blog.line(f"importing {rootfs.stat().st_size / 1e6:.0f} MB rootfs as {tag}")
@@ -391,9 +381,9 @@ def _ensure_gpu_base(client: Any, ref: str, emit: Progress) -> Any:
         return client.images.pull(ref)
     except docker.errors.APIError as e:
         raise BadInput(f"base image {ref} is not on the engine and could not be pulled: "
-                       f"{e.explanation or e}", where="--base-image",
-                       fix="pull it (or `docker load` it) on this engine first, or pass "
-                           "--base-image with a local image") from None
+                       f"{e.explanation or e}", field="base_image",
+                       fix="pull it (or `docker load` it) on this engine first, or build on an "
+                           "image the engine has") from None
 
 
 def build_image(kind: str, base_image: str | None = None, progress: Progress | None = None,
@@ -403,16 +393,15 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
     cpu: builds kvctl-base first when missing; `base_image` must be None.
     gpu: FROM `base_image` (default DEFAULT_GPU_BASE), pulled when missing.
     Returns at once when the content tag exists. Raises BadInput (unknown kind,
-    no engine, missing tools or base image), RuntimeFailure (a build failed).
+    no engine, missing tools, a base image for cpu or a missing one: field
+    `base_image`), RuntimeFailure (a build failed).
     """
-    from kvctl.runtime.docker import connect
-
     emit = progress or (lambda event: None)
     if kind not in KINDS:
         raise BadInput(f"unknown image kind {kind!r}", where="KIND", fix="use cpu or gpu")
     if kind == "cpu" and base_image:
-        raise BadInput("--base-image is for the gpu image; the cpu image is always built on the "
-                       "local Debian base", where="--base-image", fix="drop --base-image")
+        raise BadInput("a base image is for the gpu image; the cpu image is always built on the "
+                       "local Debian base", field="base_image", fix="drop the base image")
     client = client or connect(None, timeout=None)  # a build can be silent for minutes
     t0 = time.monotonic()
     if kind == "cpu":

@@ -21,7 +21,6 @@ by the pins: a clone elsewhere re-runs only that step (and `verify`).
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import fcntl
 import hashlib
@@ -29,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -38,9 +36,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
-from kvctl.provision.elf_patch import ElfPatchError, make_version_weak
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home, project_root
+from kvctl.provision.elf_patch import ElfPatchError, make_version_weak
+from kvctl.subprocesses import TAIL_LINES, run_streamed
 
 # ---- defaults: every pin of the rig, in one place (BRIEF.md section 4) ------
 RIG_NAME = "vllm-0.9.2-cpu"
@@ -71,7 +70,6 @@ VLLM_ALIAS = ("vllm", "0.9.2+cpu")
 ELF_PATCH = ("vllm/_C.abi3.so", "GLIBCXX_3.4.32")
 # What connectors/ imports that vLLM's requirements do not bring.
 CONNECTOR_DEPS = ("xxhash>=3.4",)
-OUTPUT_TAIL_LINES = 30  # lines of command output carried in an error's details
 SPEC_ENV = "KVCTL_RIG_SPEC"  # JSON file of RigSpec field overrides
 PYTHON_ENV = "KVCTL_RIG_PYTHON"  # use this interpreter instead of an installed rig
 # -----------------------------------------------------------------------------
@@ -106,7 +104,7 @@ class RigSpec:
         return inputs
 
     def key(self) -> str:
-        return _digest(self.base_inputs())[:12]
+        return digest(self.base_inputs())[:12]
 
 
 def load_spec(path: Path | str) -> RigSpec:
@@ -187,7 +185,8 @@ def _install_identity(pyproject: Path):
             "setuptools": doc.get("tool", {}).get("setuptools")}
 
 
-def _digest(obj) -> str:
+def digest(obj) -> str:
+    """The sha256 hex of `obj` as canonical JSON: the content key of a rig step or an image."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=list).encode()).hexdigest()
 
 
@@ -296,10 +295,10 @@ class Rig:
 
     def step_keys(self) -> dict[str, str]:
         base = self.spec.key()
-        project = _digest(self.project_inputs())
+        project = digest(self.project_inputs())
         keys = {s.name: base for s in STEPS}
         keys["project"] = project
-        keys["verify"] = _digest([base, project])
+        keys["verify"] = digest([base, project])
         return keys
 
     def marker(self, step: str) -> dict | None:
@@ -372,30 +371,21 @@ class _Install:
         """
         self.log.write(f"$ {' '.join(argv)}\n")
         self.log.flush()
-        tail: collections.deque[str] = collections.deque(maxlen=OUTPUT_TAIL_LINES)
         lines = []
+
+        def line(text: str) -> None:
+            self.log.write(text + "\n")
+            lines.append(text)
+            self.emit(StepEvent("output", self.step.name, self.step.title, note=text))
+
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, text=True, errors="replace",
-                                    env=env)
+            done = run_streamed(argv, line, env=env)
         except OSError as e:
             raise self.fail(f"cannot run {argv[0]}: {e}")
-        try:
-            for line in proc.stdout:
-                self.log.write(line)
-                line = line.rstrip("\n")
-                tail.append(line)
-                lines.append(line)
-                self.emit(StepEvent("output", self.step.name, self.step.title, note=line))
-            rc = proc.wait()
-        finally:
-            if proc.poll() is None:  # interrupted: do not leave pip running
-                proc.kill()
-                proc.wait()
         self.log.flush()
-        if rc != 0:
-            raise self.fail(f"`{_short(label or ' '.join(argv))}` exited with status {rc}",
-                            "\n".join(tail))
+        if done.returncode != 0:
+            raise self.fail(f"`{_short(label or ' '.join(argv))}` exited with status {done.returncode}",
+                            done.details)
         return "\n".join(lines)
 
     def pip(self, *args: str) -> str:
@@ -514,7 +504,7 @@ def _step_verify(ctx: _Install) -> str:
     out = ctx.run([str(ctx.rig.python), "-c", script], env=env)
     found = [line for line in out.splitlines() if line.startswith("KVCTL_VERIFY ")]
     if not found:
-        raise ctx.fail("the check script printed no result", "\n".join(out.splitlines()[-30:]))
+        raise ctx.fail("the check script printed no result", "\n".join(out.splitlines()[-TAIL_LINES:]))
     r = json.loads(found[-1][len("KVCTL_VERIFY "):])
     problems = []
     if ctx.spec.verify_vllm:

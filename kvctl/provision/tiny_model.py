@@ -332,24 +332,25 @@ def write_model(out_dir: Path, preset: str = "tiny", seed: int = 0) -> ModelInfo
     version. A folder holding another kvctl-generated model is replaced (it
     can always be regenerated); anything else is left alone.
 
-    Raises BadInput for an unknown preset, a negative seed, or an `out_dir`
-    that is a file or a non-empty folder not made by this generator.
+    Raises BadInput for an unknown preset, a negative seed (field `seed`), or
+    an `out_dir` that is a file or a non-empty folder not made by this
+    generator (field `out`).
     """
     if preset not in PRESETS:
         raise BadInput(f"unknown model preset {preset!r}", where="preset",
                        fix=f"use one of: {', '.join(PRESETS)}")
     if seed < 0:
-        raise BadInput(f"seed must be >= 0, got {seed}", where="seed", fix="pass --seed 0 or more")
+        raise BadInput(f"seed must be >= 0, got {seed}", field="seed", fix="pass a seed of 0 or more")
     out_dir = Path(out_dir).absolute()
     marker = _read_marker(out_dir)
     if _matches(marker, preset, seed):
         return _info(out_dir, marker, created=False)
     if out_dir.exists() and not out_dir.is_dir():
-        raise BadInput(f"{out_dir} is a file, not a folder", where="--out",
+        raise BadInput(f"{out_dir} is a file, not a folder", field="out",
                        fix="pass a new or empty folder")
     if out_dir.is_dir() and marker is None and any(out_dir.iterdir()):
         raise BadInput(f"{out_dir} is not empty and holds no kvctl-generated model",
-                       where="--out", fix="pass a new or empty folder, or delete this one")
+                       field="out", fix="pass a new or empty folder, or delete this one")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -362,7 +363,7 @@ def write_model(out_dir: Path, preset: str = "tiny", seed: int = 0) -> ModelInfo
     done = _read_marker(out_dir)
     if not _matches(done, preset, seed):  # someone else published something else meanwhile
         raise BadInput(f"{out_dir} changed while the model was being written",
-                       where="--out", fix="run the command again")
+                       field="out", fix="run the command again")
     return _info(out_dir, done, created=done == new_marker)
 
 

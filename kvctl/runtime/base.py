@@ -87,7 +87,10 @@ def vllm_server_env(spec: InstanceSpec) -> dict[str, str]:
     """Environment variables the server needs on top of the base environment."""
     env = {
         "VLLM_USE_V1": "0",  # the KV connectors here are V0 connectors
-        "VLLM_LOGGING_LEVEL": "DEBUG",  # KV send/skip markers are debug lines
+        # Every marker verify and the benches read (KV send DONE, skip/redo model
+        # forwarding, sent to connector, Received request) is an INFO line or
+        # above. A role's own env (the launch options, a scenario's env) overrides it.
+        "VLLM_LOGGING_LEVEL": "INFO",
         "VLLM_HOST_IP": "127.0.0.1",  # else gloo binds the external interface
         "VLLM_CPU_KVCACHE_SPACE": KV_CACHE_SPACE_GIB,
         "HF_HUB_OFFLINE": "1",  # models are local dirs; never wait on a hub
@@ -187,6 +190,12 @@ def last_log_line(path: Path) -> str:
         if line.strip():
             return line.strip()
     return ""
+
+
+def instance_logs(instance: Instance, tail: int | None, follow: bool) -> Iterator[str]:
+    """`Instance.logs` for every runtime: its log file, followed while it runs if `follow`."""
+    running = (lambda: instance.status().running) if follow else (lambda: False)
+    return follow_log(instance.log_path, tail, running)
 
 
 def follow_log(path: Path, tail: int | None, is_running: Callable[[], bool],

@@ -17,169 +17,64 @@ One container per role, made through the docker SDK (create → start), with
 - on a GPU image (label `kvctl.device=gpu`) or with explicit `gpus`, one
   DeviceRequest per role: the container sees NVIDIA_VISIBLE_DEVICES = its GPU.
 
-Logs: a follower process (`python -m kvctl.runtime.docker follow ...`),
-started detached after the container, appends `docker logs --follow` to the
-instance's log file, so log tails, markers, `kvctl logs` and verify read files
-exactly as with the local runtime, and the file keeps growing after `kvctl
-launch` exits. It ends when the container stops; `status()` of a stopped
-container waits briefly for it, so a start-up failure's log tail is complete.
+Logs: a follower process (kvctl.runtime.log_follower), started detached after
+the container, appends its output to the instance's log file. It ends when
+the container stops; `status()` of a stopped container waits briefly for it,
+so a start-up failure's log tail is complete.
 
-Engines are DOCKER_HOST-style URLs (unix://, tcp://, ssh://), one per role.
-On a remote engine the model and store must exist at the same paths (NFS for
-a store shared by two hosts), and ports must be published on a non-loopback
-address (`bind`), which is checked before anything starts.
+Engines (kvctl.runtime.docker_engine) are DOCKER_HOST-style URLs, one per
+role; the options (kvctl.runtime.docker_options) are validated before anything
+starts. On a remote engine the model and store must exist at the same paths
+(NFS for a store shared by two hosts), and ports must be published on a
+non-loopback address (`bind`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
-import ipaddress
 import logging
 import math
 import os
-import re
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from connectors.config.validate import fs_storage_paths
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
+from kvctl.provision import images
 from kvctl.runtime.base import (
     ENTRYPOINT_MODULE,
     ROLES,
     InstanceSpec,
     InstanceStatus,
     StopResult,
-    follow_log,
+    instance_logs,
     vllm_server_args,
     vllm_server_env,
 )
-from kvctl.runtime.local import group_members, process_start_ticks
+from kvctl.runtime.docker_engine import connect, daemon_error, engine_hostname
+from kvctl.runtime.docker_options import DEFAULT_GPUS, DockerOptions
+from kvctl.runtime.docker_options import docker_options  # noqa: F401  TEMP-SHIM(B): old import path
+from kvctl.runtime.log_follower import spawn_follower
+from kvctl.runtime.processes import group_members, process_start_ticks
+from kvctl.subprocesses import TAIL_LINES
 
 log = logging.getLogger(__name__)
 
 # ---- defaults ---------------------------------------------------------------------
-DEFAULT_SOCKET = "unix:///var/run/docker.sock"
-API_TIMEOUT_S = 60.0  # one engine API call (streams use no timeout)
-DEFAULT_BIND = "127.0.0.1"
-DEFAULT_GPUS = ("0", "1")  # prefill, decode: used on a GPU image when --gpus is not given
 FOLLOWER_DRAIN_S = 5.0  # after a container stops: wait this long for its log follower
-LOG_TAIL_LINES = 30  # container log lines shown with a start failure
 CPU_WORKER_PREFIX = "connectors.v0.cpu_worker."  # CPU-only worker classes (dropped on GPU images)
 LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME = "kvctl.cluster.spec", "kvctl.role", "kvctl.home"
 # -------------------------------------------------------------------------------------
 
-_GPU_RE = re.compile(r"^\d+(\+\d+)*$")
-_REMOTE_SCHEMES = ("tcp", "ssh", "http", "https")
 
-
-# ---- engines ----------------------------------------------------------------------
-
-def engine_url(host: str | None) -> str:
-    """The engine URL kvctl uses for `host` (None: $DOCKER_HOST, else the local socket)."""
-    return host or os.environ.get("DOCKER_HOST") or DEFAULT_SOCKET
-
-
-def _engine_hostname(url: str) -> str | None:
-    """The host name of a network engine URL; None for a local socket."""
-    parts = urlsplit(url)
-    if parts.scheme not in _REMOTE_SCHEMES:
-        return None
-    return parts.hostname
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def connect(host: str | None, timeout: float | None = API_TIMEOUT_S) -> Any:
-    """A docker SDK client for engine `host` that answered a ping.
-
-    Raises BadInput when the SDK is not installed or no engine answers.
-    """
-    try:
-        import docker
-    except ModuleNotFoundError:
-        raise BadInput("the docker runtime needs the Python docker SDK", where="python",
-                       fix="pip install 'kvctl[docker]'") from None
-    url = engine_url(host)
-    try:
-        client = docker.DockerClient(base_url=url, timeout=timeout,
-                                     use_ssh_client=url.startswith("ssh://"))
-        client.ping()
-    except docker.errors.DockerException as e:
-        raise BadInput(f"no Docker engine answers at {url}: {e}", where="DOCKER_HOST",
-                       fix="start dockerd (scripts/ensure-docker.sh does it on Debian), or point "
-                           "DOCKER_HOST / --prefill-docker-host / --decode-docker-host at a "
-                           "running engine") from None
-    return client
-
-
-# ---- options ----------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class DockerOptions:
-    """The docker-only parts of a cluster spec."""
-
-    image: str | None = None  # None: the cpu image of this checkout (kvctl-gpu:latest with gpus)
-    gpus: tuple[str, str] | None = None  # device ids of P and D ("0", "0+1"); None: see DEFAULT_GPUS
-    bind: str = DEFAULT_BIND  # host address the servers' ports are published on
-    prefill_host: str | None = None  # engine URLs; None: $DOCKER_HOST or the local socket
-    decode_host: str | None = None
-
-    def host(self, role: str) -> str:
-        return engine_url(self.prefill_host if role == "prefill" else self.decode_host)
-
-
-def parse_gpus(value: str | list[str] | tuple[str, ...], option: str = "--gpus") -> tuple[str, str]:
-    """`P,D` (or a [P, D] list), each a device id or ids joined by '+': ("0", "1")."""
-    items = value.split(",") if isinstance(value, str) else [str(v) for v in value]
-    items = [i.strip() for i in items]
-    if len(items) != 2 or not all(_GPU_RE.match(i) for i in items):
-        raise BadInput(f"expected the GPUs of prefill and decode as P,D, got {value!r}", where=option,
-                       fix="e.g. --gpus 0,1 (several per role: --gpus 0+1,2+3)")
-    return items[0], items[1]
-
-
-def docker_options(*, image: str | None = None, gpus: str | list[str] | None = None,
-                   bind: str | None = None, prefill_host: str | None = None,
-                   decode_host: str | None = None) -> DockerOptions:
-    """Validated DockerOptions. Raises BadInput naming the option.
-
-    A network engine with a loopback `bind` is refused: the servers would be
-    reachable only on that other host.
-    """
-    bind = (bind or DEFAULT_BIND).strip()
-    try:
-        ipaddress.ip_address(bind)
-    except ValueError:
-        raise BadInput(f"--bind must be an IP address, got {bind!r}", where="--bind",
-                       fix="e.g. --bind 127.0.0.1 (this host only) or --bind 0.0.0.0") from None
-    opts = DockerOptions(image=image or None, gpus=parse_gpus(gpus) if gpus else None, bind=bind,
-                         prefill_host=prefill_host or None, decode_host=decode_host or None)
-    for role in ROLES:
-        remote = _engine_hostname(opts.host(role))
-        if remote and not _is_loopback(remote) and _is_loopback(bind):
-            raise BadInput(f"the {role} engine {opts.host(role)} is another host, but ports are "
-                           f"published on {bind}, its loopback", where=f"--bind, --{role}-docker-host",
-                           fix="pass --bind 0.0.0.0 (or that host's address)")
-    return opts
-
+# ---- containers -------------------------------------------------------------------
 
 def container_name(cluster: str, role: str, cluster_dir: Path) -> str:
     """Unique per cluster dir: two KVCTL_HOMEs may both have a cluster `default`."""
@@ -188,54 +83,23 @@ def container_name(cluster: str, role: str, cluster_dir: Path) -> str:
 
 
 def _url_host(engine: str, bind: str) -> str:
-    remote = _engine_hostname(engine)
+    remote = engine_hostname(engine)
     if bind not in ("0.0.0.0", "::"):
         return bind if ":" not in bind else f"[{bind}]"
     return remote or "127.0.0.1"
-
-
-def _daemon_error(e: Exception) -> str:
-    return str(getattr(e, "explanation", None) or e).strip()
 
 
 def _start_fix(error: str) -> str:
     if "could not select device driver" in error:
         return ("GPU requests need the NVIDIA Container Toolkit on the engine's host "
                 "(nvidia-container-runtime-hook on dockerd's PATH, then restart dockerd); "
-                "on a host without GPUs use the cpu image without --gpus")
+                "on a host without GPUs use the cpu image and no GPUs")
     if "already allocated" in error or "address already in use" in error:
-        return "a port is taken on the engine's host: pass free --prefill-port/--decode-port, or omit them"
+        return ("a port is taken on the engine's host: choose free prefill and decode ports, "
+                "or let kvctl pick them")
     if "bind source path does not exist" in error:
         return "the model and store dirs must exist at the same paths on the engine's host"
     return "read the engine's error below, correct the cause and launch again"
-
-
-# ---- the log follower (runs as its own process) ------------------------------------
-
-def follow_container(engine: str, container_id: str, log_path: Path) -> int:
-    """Append the container's output to `log_path` until it stops. Returns 0."""
-    import docker.errors
-
-    client = connect(engine, timeout=None)  # an idle server can be silent for hours
-    try:
-        container = client.containers.get(container_id)
-        with open(log_path, "ab", buffering=0) as f:
-            for chunk in container.logs(stream=True, follow=True):
-                f.write(chunk)
-            container.reload()
-            code = container.attrs["State"].get("ExitCode")
-            f.write(f"kvctl: container {container.name} stopped (exit code {code})\n".encode())
-    except docker.errors.NotFound:
-        pass  # removed: nothing more to copy
-    return 0
-
-
-def _spawn_follower(engine: str, container_id: str, log_path: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "kvctl.runtime.docker", "follow", "--engine", engine,
-            "--container", container_id, "--log", str(log_path)]
-    with open(log_path, "ab") as errors:  # the follower's own failures land in the log too
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=errors, start_new_session=True, close_fds=True)
 
 
 # ---- instances --------------------------------------------------------------------
@@ -351,7 +215,7 @@ class DockerInstance:
                 pass
             except docker.errors.APIError as e:
                 raise RuntimeFailure(f"the engine could not remove the {self.role} container: "
-                                     f"{_daemon_error(e)}", where=f"engine {self.engine}, "
+                                     f"{daemon_error(e)}", where=f"engine {self.engine}, "
                                      f"container {self.name}",
                                      fix=f"remove it by hand: docker rm -f {self.name}") from None
         self._end_follower()
@@ -360,9 +224,7 @@ class DockerInstance:
         return StopResult(self.role, was_running, used, time.monotonic() - t0)
 
     def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
-        if not follow:
-            return follow_log(self.log_path, tail, lambda: False)
-        return follow_log(self.log_path, tail, lambda: self.status().running)
+        return instance_logs(self, tail, follow)
 
     def record(self) -> dict[str, Any]:
         return {"container_id": self.container_id, "container_name": self.name,
@@ -414,13 +276,11 @@ class DockerRuntime:
     def image_ref(self) -> str:
         if self.options.image:
             return self.options.image
-        from kvctl.provision import images
-
         try:
             return images.default_image("gpu" if self.options.gpus else "cpu")
         except BadInput as e:
-            raise BadInput(f"no default image: {e.what}", where="--image",
-                           fix="pass --image (a tag `kvctl image build` printed)") from None
+            raise BadInput(f"no default image: {e.what}", field="image",
+                           fix="name the image (a tag `kvctl image build` printed)") from None
 
     def _image(self, role: str) -> tuple[str, dict[str, str]]:
         """(ref, labels) of the image on `role`'s engine. Raises BadInput when it is missing."""
@@ -433,15 +293,15 @@ class DockerRuntime:
             except docker.errors.ImageNotFound:
                 kind = "gpu" if ref.startswith("kvctl-gpu") or self.options.gpus else "cpu"
                 raise BadInput(f"image {ref} is not on the engine at {self.options.host(role)}",
-                               where="--image",
+                               field="image",
                                fix=f"build it with `kvctl image build {kind}` (on that engine: "
-                                   f"DOCKER_HOST={self.options.host(role)}), or pass --image "
-                                   "with an image that engine has") from None
+                                   f"DOCKER_HOST={self.options.host(role)}), or choose an image "
+                                   "that engine has") from None
             self._images[role] = (ref, dict(img.labels or {}))
         return self._images[role]
 
     def gpus(self, role: str) -> list[str] | None:
-        """Device ids for `role`: --gpus, else DEFAULT_GPUS on a GPU image, else none."""
+        """Device ids for `role`: the options' gpus, else DEFAULT_GPUS on a GPU image, else none."""
         _, labels = self._image(role)
         pair = self.options.gpus or (DEFAULT_GPUS if labels.get("kvctl.device") == "gpu" else None)
         if pair is None:
@@ -514,9 +374,9 @@ class DockerRuntime:
                 ports={f"{spec.port}/tcp": (self.options.bind, spec.port)},
                 ipc_mode="host", init=True, device_requests=devices, detach=True)
             container.start()
-            follower = _spawn_follower(engine, container.id, spec.log_path)
+            follower = spawn_follower(engine, container.id, spec.log_path)
         except docker.errors.APIError as e:
-            error = _daemon_error(e)
+            error = daemon_error(e)
             tail = _container_tail(container)
             _discard(container)
             raise RuntimeFailure(
@@ -566,10 +426,10 @@ def _container_tail(container: Any) -> list[str]:
     if container is None:
         return []
     try:
-        text = container.logs(tail=LOG_TAIL_LINES).decode("utf-8", errors="replace")
+        text = container.logs(tail=TAIL_LINES).decode("utf-8", errors="replace")
     except Exception:  # noqa: BLE001 - best effort: the start error is what matters
         return []
-    return text.splitlines()[-LOG_TAIL_LINES:]
+    return text.splitlines()[-TAIL_LINES:]
 
 
 def _discard(container: Any) -> None:
@@ -583,7 +443,7 @@ def _discard(container: Any) -> None:
     except docker.errors.NotFound:
         pass
     except docker.errors.APIError as e:
-        log.error("could not remove container %s: %s", container.name, _daemon_error(e))
+        log.error("could not remove container %s: %s", container.name, daemon_error(e))
 
 
 def _remove_stopped_namesake(client: Any, name: str) -> None:
@@ -602,20 +462,3 @@ def _remove_stopped_namesake(client: Any, name: str) -> None:
                        where=f"container {name}",
                        fix=f"stop it with `docker rm -f {name}`, then launch again")
     _discard(old)
-
-
-# ---- `python -m kvctl.runtime.docker follow ...` ------------------------------------
-
-def _main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvctl.runtime.docker")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    follow = sub.add_parser("follow", help="append a container's output to a file until it stops")
-    follow.add_argument("--engine", required=True)
-    follow.add_argument("--container", required=True)
-    follow.add_argument("--log", required=True, type=Path)
-    args = parser.parse_args(argv)
-    return follow_container(args.engine, args.container, args.log)
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -30,56 +30,16 @@ from kvctl.runtime.base import (
     InstanceSpec,
     InstanceStatus,
     StopResult,
-    follow_log,
+    instance_logs,
     vllm_server_args,
     vllm_server_env,
 )
+from kvctl.runtime.processes import group_members, is_alive, process_start_ticks
 
 log = logging.getLogger(__name__)
 
 KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
 POLL_S = 0.1
-
-# --- /proc helpers (Linux); the local runtime runs where the CPU rig runs ---
-
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, pgrp, start_ticks) of a process, or None if it does not exist."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rindex(")") + 2:].split()
-    return fields[0], int(fields[2]), int(fields[19])
-
-
-def _is_live(state: str) -> bool:
-    return state not in ("Z", "X")  # zombies are dead; PID 1 here may never reap them
-
-
-def process_start_ticks(pid: int) -> int | None:
-    stat = _proc_stat(pid)
-    return stat[2] if stat else None
-
-
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes in process group `pgid`."""
-    if not Path("/proc/self/stat").exists():  # no procfs: ask the kernel about the group
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            return [pgid]
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        stat = _proc_stat(int(entry.name))
-        if stat and stat[1] == pgid and _is_live(stat[0]):
-            members.append(int(entry.name))
-    return members
 
 
 class LocalInstance:
@@ -112,8 +72,7 @@ class LocalInstance:
             if code is not None:
                 return InstanceStatus(False, code, f"exited with code {code}")
             return InstanceStatus(True, None, f"pid {self.pid} running")
-        stat = _proc_stat(self.pid)
-        if stat is None or not _is_live(stat[0]) or not self._is_ours():
+        if not is_alive(self.pid) or not self._is_ours():
             return InstanceStatus(False, None, f"process {self.pid} is gone")
         return InstanceStatus(True, None, f"pid {self.pid} running")
 
@@ -165,9 +124,7 @@ class LocalInstance:
         return StopResult(self.role, True, used, time.monotonic() - t0)
 
     def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
-        if not follow:
-            return follow_log(self.log_path, tail, lambda: False)
-        return follow_log(self.log_path, tail, lambda: self.status().running)
+        return instance_logs(self, tail, follow)
 
     def record(self) -> dict[str, Any]:
         return {"pid": self.pid, "start_ticks": self.start_ticks, "command": self.command}
