@@ -5,15 +5,12 @@ No torch here: the rig-side modules import this too, and so does kvctl.
 
 from __future__ import annotations
 
-import collections
 import json
 import math
 import os
 import platform
 import secrets
 import shutil
-import subprocess
-import threading
 import time
 from contextlib import contextmanager
 from datetime import datetime, timezone
@@ -22,10 +19,11 @@ from typing import Callable, Iterator
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home, project_root
+from kvctl.provision.rig import rig_python
+from kvctl.subprocesses import run_streamed
 
 Progress = Callable[[str], None]
 RIG_TIMEOUT_S = 3600.0  # one rig-side bench; 512 MB entries on a busy 2-core box take minutes
-ERROR_TAIL_LINES = 30  # rig stderr lines carried in an error's details
 
 
 def quiet(_: str) -> None:
@@ -61,9 +59,12 @@ def gbps(num_bytes: int, seconds: float) -> float:
     return num_bytes / seconds / 1e9 if seconds > 0 else math.inf
 
 
-def parse_sizes(raw: list[str] | None, default: list[float], option: str, unit: str,
+def parse_sizes(raw: list[str] | None, default: list[float], unit: str,
                 integer: bool) -> list[float]:
-    """Sizes from `--sizes 1,64 --sizes 512` style input; BadInput names the option."""
+    """Sizes from ["1,64", "512"] style input (comma-separated, repeatable), sorted, unique.
+
+    Raises BadInput (field `sizes`) for a value that is not a positive number.
+    """
     if not raw:
         return list(default)
     sizes: list[float] = []
@@ -77,17 +78,18 @@ def parse_sizes(raw: list[str] | None, default: list[float], option: str, unit: 
             value = None
         if value is None or not math.isfinite(value) or value <= 0:
             kind = "whole number" if integer else "number"
-            raise BadInput(f"{option}: {item!r} is not a positive {kind} of {unit}", where=option,
-                           fix=f"pass positive {unit}, comma-separated, e.g. {option} "
+            raise BadInput(f"size {item!r} is not a positive {kind} of {unit}", field="sizes",
+                           fix=f"pass positive {unit}, comma-separated, e.g. "
                                f"{','.join(f'{d:g}' for d in default)}")
         sizes.append(value)
     return sorted(set(sizes))
 
 
 def check_repeat(repeat: int) -> int:
+    """`repeat`, checked. Raises BadInput (field `repeat`) below 1."""
     if repeat < 1:
-        raise BadInput(f"--repeat must be at least 1, got {repeat}", where="--repeat",
-                       fix="pass how many timed runs to take the best of, e.g. --repeat 3")
+        raise BadInput(f"repeat must be at least 1, got {repeat}", field="repeat",
+                       fix="pass how many timed runs to take the best of, e.g. 3")
     return repeat
 
 
@@ -95,12 +97,12 @@ def resolve_bench_dir(path: Path | None) -> Path:
     """The directory benches write into: `path`, else $KVCTL_HOME/bench (created)."""
     root = (path.expanduser() if path is not None else kvctl_home() / "bench").resolve()
     if root.exists() and not root.is_dir():
-        raise BadInput(f"{root} is not a directory", where="--dir",
+        raise BadInput(f"{root} is not a directory", field="dir",
                        fix="pass a directory on the filesystem to measure")
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise BadInput(f"cannot create the bench directory {root}: {e.strerror}", where="--dir",
+        raise BadInput(f"cannot create the bench directory {root}: {e.strerror}", field="dir",
                        fix="pass a writable directory") from None
     return root
 
@@ -186,57 +188,30 @@ def run_in_rig(module: str, params: dict, progress: Progress = quiet,
     `progress`. Raises BadInput when no rig is installed, RuntimeFailure when
     the bench fails or prints no JSON.
     """
-    from kvctl.provision.rig import rig_python
-
     python = rig_python()
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(project_root()), env.get("PYTHONPATH")) if p)
     argv = [str(python), "-m", f"kvctl.bench.{module}", json.dumps(params)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=str(project_root()))
-    out_chunks: list[str] = []
-    reader = threading.Thread(target=lambda: out_chunks.append(proc.stdout.read()), daemon=True)
-    reader.start()
-    tail: collections.deque[str] = collections.deque(maxlen=ERROR_TAIL_LINES)
-    timed_out = threading.Event()
-
-    def kill_on_timeout() -> None:  # a hung bench must not hang kvctl
-        timed_out.set()
-        proc.kill()
-
-    watchdog = threading.Timer(timeout_s, kill_on_timeout)
-    watchdog.start()
-    try:
-        for line in proc.stderr:
-            line = line.rstrip("\n")
-            tail.append(line)
-            progress(line)
-        proc.wait()
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        watchdog.cancel()
-        reader.join(timeout=10)
+    done = run_streamed(argv, progress, env=env, cwd=str(project_root()), capture_stdout=True,
+                        timeout_s=timeout_s)
     what = f"the {module} benchmark"
-    if timed_out.is_set():
+    if done.timed_out:
         raise RuntimeFailure(f"{what} ran longer than {timeout_s:.0f} s and was stopped",
                              where=f"{python} -m kvctl.bench.{module}",
-                             fix="use smaller --sizes or fewer --repeat", details="\n".join(tail))
-    if proc.returncode != 0:
-        raise RuntimeFailure(f"{what} failed in the rig (exit {proc.returncode})",
+                             fix="use smaller sizes or fewer repeats", details=done.details)
+    if done.returncode != 0:
+        raise RuntimeFailure(f"{what} failed in the rig (exit {done.returncode})",
                              where=f"{python} -m kvctl.bench.{module}",
                              fix="read the output below; `kvctl rig status` checks the rig",
-                             details="\n".join(tail))
-    text = "".join(out_chunks).strip()
+                             details=done.details)
+    text = done.stdout.strip()
     try:
         result = json.loads(text.splitlines()[-1]) if text else None
     except ValueError:
         result = None
     if not isinstance(result, dict):
         raise RuntimeFailure(f"{what} printed no JSON object", where=f"{python} -m kvctl.bench.{module}",
-                             details=(text[-2000:] or "\n".join(tail)))
+                             details=(text[-2000:] or done.details))
     return result
 
 

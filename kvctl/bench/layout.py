@@ -111,7 +111,7 @@ def resolve_device(wanted: str) -> torch.device:
     if wanted == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if wanted == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch sees no CUDA device here")
+        raise SystemExit("device cuda: torch sees no CUDA device here")
     return torch.device(wanted)
 
 

@@ -1,4 +1,4 @@
-"""Bench results: headline ratios, goals, and how they are shown (rich tables, markdown).
+"""Bench results: headline ratios, goals, and the README's markdown table.
 
 A result is one JSON object per bench:
 
@@ -11,11 +11,7 @@ A result is one JSON object per bench:
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
-
-from rich import box
-from rich.console import Console
-from rich.table import Table
+from typing import Any
 
 # name -> (True when higher is better, definition)
 DEFINITIONS: dict[str, tuple[bool, str]] = {
@@ -93,82 +89,15 @@ def assemble(bench: str, by_size: dict[str, dict[str, float]], raw: dict, params
             "goals": goals_for(bench, ratios), "params": params, "machine": machine, "raw": raw}
 
 
-# --- human output ---
+# --- figures as text (the rich tables are kvctl.views.bench) ---
 
-def _fmt(v: Any, digits: int = 2) -> str:
+def fmt(v: Any, digits: int = 2) -> str:
+    """A figure as tables show it: `-` for none, `inf`, else `digits` decimals."""
     if v is None:
         return "-"
     if isinstance(v, float):
         return f"{v:.{digits}f}" if math.isfinite(v) else "inf"
     return str(v)
-
-
-def ratio_table(result: dict) -> Table:
-    t = Table(title=f"kvctl bench {result['bench']}: ratios (worst case over sizes)",
-              box=box.SIMPLE_HEAVY)
-    t.add_column("ratio")
-    sizes = list(result["ratios_by_size"])
-    t.add_column("worst", justify="right")
-    for size in sizes:
-        t.add_column(size, justify="right")
-    t.add_column("goal", justify="right")
-    t.add_column("better")
-    goals = {g["ratio"]: g for g in result["goals"]}
-    for name, value in result["ratios"].items():
-        g = goals.get(name)
-        goal = "-" if g is None else (f"[green]{g['goal']}[/green]" if g["met"] else f"[red]{g['goal']}[/red]")
-        t.add_row(name, _fmt(value), *(_fmt(result["ratios_by_size"][s].get(name)) for s in sizes),
-                  goal, "higher" if higher_is_better(name) else "lower")
-    return t
-
-
-def figures_table(result: dict) -> Table | None:
-    raw, bench = result["raw"], result["bench"]
-    if bench == "store":
-        t = Table(title="store: GB/s of the KV bytes (best of N); cold = after DONTNEED",
-                  box=box.SIMPLE)
-        t.add_column("method")
-        for size in raw["sizes"]:
-            t.add_column(f"{size['mb']:g} MB save", justify="right")
-            t.add_column(f"{size['mb']:g} MB load", justify="right")
-        for m in (raw["sizes"][0]["save_s"] if raw["sizes"] else {}):
-            t.add_row(m, *(_fmt(s[k][m]) for s in raw["sizes"] for k in ("save_gbps", "load_gbps")))
-        for m in (raw["sizes"][0]["load_cold_s"] if raw["sizes"] else {}):
-            t.add_row(f"{m} (cold)", *(("-", _fmt(s["kv_bytes"] / s["load_cold_s"][m] / 1e9))[i]
-                                       for s in raw["sizes"] for i in (0, 1)))
-        return t
-    if bench == "layout":
-        t = Table(title=f"layout on {raw['device_name']}: ms (best of N)", box=box.SIMPLE)
-        for col in ("layout", "tokens", "MB", "gather", "scatter", "memcpy", "gather GB/s", "memcpy GB/s"):
-            t.add_column(col, justify="right" if col != "layout" else "left")
-        for c in raw["cases"]:
-            t.add_row(c["layout"], str(c["tokens"]), f"{c['bytes'] / 2**20:.0f}",
-                      _fmt(c["gather_s"] * 1e3, 1), _fmt(c["scatter_s"] * 1e3, 1),
-                      _fmt(c["memcpy_s"] * 1e3, 1), _fmt(c["gather_gbps"]), _fmt(c["memcpy_gbps"]))
-        return t
-    if bench == "ttft":
-        t = Table(title=f"ttft: {raw['model']} ({raw['dtype']}), ms (best of N)", box=box.SIMPLE)
-        for col in ("tokens", "TTFT transfer", "TTFT recompute", "D load", "P latency",
-                    "multi send", "children store", "children gather"):
-            t.add_column(col, justify="right")
-        for s in raw["sizes"]:
-            t.add_row(str(s["tokens"]), _fmt(s["ttft_transfer_s"] * 1e3, 0),
-                      _fmt(s["ttft_recompute_s"] * 1e3, 0), _fmt(s["d_load_ms"], 0),
-                      _fmt(s["p_latency_s"] * 1e3, 0), _fmt(s["multi_children_send_ms"], 0),
-                      _fmt(s["children_store_ms"], 0), _fmt(s.get("children_gather_ms"), 0))
-        return t
-    return None
-
-
-def render(results: Iterable[dict], console: Console) -> None:
-    results = list(results)
-    for result in results:
-        table = figures_table(result)
-        if table is not None:
-            console.print(table)
-        console.print(ratio_table(result))
-    if results:
-        console.print(machine_line(results[0]["machine"]), highlight=False)
 
 
 def machine_line(m: dict) -> str:
@@ -195,11 +124,11 @@ def markdown(results: list[dict], command: str) -> str:
         for name, value in result["ratios"].items():
             if name not in README_RATIOS:
                 continue
-            per = ", ".join(f"{size}: {_fmt(r.get(name))}" for size, r in result["ratios_by_size"].items()
+            per = ", ".join(f"{size}: {fmt(r.get(name))}" for size, r in result["ratios_by_size"].items()
                             if name in r)
             g = goals.get(name)
             goal = "" if g is None else f"{g['goal']} ({'met' if g['met'] else 'missed'})"
-            lines.append(f"| {result['bench']} | `{name}` | {_fmt(value)} | {per} | {goal} | "
+            lines.append(f"| {result['bench']} | `{name}` | {fmt(value)} | {per} | {goal} | "
                          f"{'higher' if higher_is_better(name) else 'lower'} |")
     lines.append("")
     if results:

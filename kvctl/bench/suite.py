@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvctl.bench import report
+from kvctl.bench import report, ttft
 from kvctl.bench.common import Progress, machine_info, quiet, resolve_bench_dir, run_in_rig, scratch_dir
+from kvctl.cluster.spec import resolve_model
 from kvctl.errors import BadInput
+from kvctl.provision.tiny_model import ensure_default_model
 
 # ---- defaults: sizes, repeats and shapes of every bench, in one place ----
 STORE_SIZES_MB = [1.0, 64.0, 512.0]  # 512 MB ~ 4k tokens of an 8B GQA model in bf16
@@ -49,10 +51,10 @@ def run_layout(tokens: list[int], repeat: int, device: str, threads: int = LAYOU
                progress: Progress = quiet) -> dict:
     """Gather/scatter through the paged layouts vs memcpy, in the rig."""
     if device not in DEVICES:
-        raise BadInput(f"unknown device {device!r}", where="--device",
+        raise BadInput(f"unknown device {device!r}", field="device",
                        fix=f"use one of: {', '.join(DEVICES)}")
     if threads < 0:
-        raise BadInput(f"--threads must be 0 or more, got {threads}", where="--threads",
+        raise BadInput(f"threads must be 0 or more, got {threads}", field="threads",
                        fix="pass 1 (stable on a shared machine), or 0 for torch's default")
     params = {"tokens": tokens, "repeat": repeat, "device": device, "threads": threads,
               **LAYOUT_SHAPE}
@@ -75,10 +77,6 @@ def run_ttft(tokens: list[int], repeat: int, model: Path | None, progress: Progr
     Launches one 1P1D cluster of real vLLM CPU servers (the bench model by
     default, written on first use) and always tears it down.
     """
-    from kvctl.bench import ttft
-    from kvctl.cluster.spec import resolve_model
-    from kvctl.provision.tiny_model import ensure_default_model
-
     if model is None:
         progress("ttft: the bench model (written on first use, ~1.2 GB)")
         model = ensure_default_model("bench")

@@ -37,11 +37,14 @@ import re
 import time
 from pathlib import Path
 
-from kvctl.verify import markers
 from kvctl.bench.common import Progress, quiet
 from kvctl.client import VLLMClient, user_messages
+from kvctl.cluster.lifecycle import running_cluster
+from kvctl.cluster.spec import DEFAULT_CONFIG, build_1p1d_spec
+from kvctl.cluster.state import cluster_dir
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
 from kvctl.runtime.base import read_log_tail
+from kvctl.verify import markers
 
 LOG_WAIT_S = 15.0  # log lines are flushed asynchronously after the HTTP answer
 LOG_TAIL_LINES = 40  # of each server's log, carried in an error (the logs go at teardown)
@@ -82,7 +85,7 @@ def fit_prompt(client: VLLMClient, target: int, tag: str) -> Prompt:
         words = max(1, words + step)
     if best is None:
         raise RuntimeFailure(f"could not build a prompt of about {target} tokens",
-                             fix="use a larger --sizes value")
+                             fix="use a larger prompt size")
     return best
 
 
@@ -253,14 +256,11 @@ def run(model: Path, sizes: list[int], repeat: int, progress: Progress = quiet,
     Raises BadInput (model, sizes), RuntimeFailure (launch, requests, a
     transfer that did not happen).
     """
-    from kvctl.cluster.spec import DEFAULT_CONFIG, build_1p1d_spec, cluster_dir
-    from kvctl.cluster.lifecycle import running_cluster
-
     limit = _max_positions(model)
     need = max(sizes) + 1
     if limit is not None and need > limit:
-        raise BadInput(f"--sizes {max(sizes)} does not fit the model's {limit} positions",
-                       where="--sizes", fix=f"use prompt lengths below {limit}")
+        raise BadInput(f"a prompt of {max(sizes)} tokens does not fit the model's {limit} positions",
+                       field="sizes", fix=f"use prompt lengths below {limit}")
     name = name or f"bench-ttft-{os.getpid()}"
     cdir = cluster_dir(name)
     spec = build_1p1d_spec(name=name, model=model,

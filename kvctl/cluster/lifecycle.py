@@ -29,9 +29,9 @@ from typing import Any
 
 import httpx
 
-from kvctl.cluster.spec import (
+from kvctl.cluster.spec import ClusterSpec
+from kvctl.cluster.state import (
     STATE_FILE,
-    ClusterSpec,
     ClusterState,
     InstanceRecord,
     cluster_dir,
@@ -51,13 +51,13 @@ from kvctl.runtime.base import (
     last_log_line,
     read_log_tail,
 )
+from kvctl.subprocesses import TAIL_LINES
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often launch checks /health and the processes
 HEALTH_TIMEOUT_S = 2.0  # one /health request
 STOP_GRACE_S = 10.0  # SIGTERM → SIGKILL
-LOG_TAIL_LINES = 30  # shown when a server fails to start
 
 
 # --- progress reporting (the CLI renders it; scenarios may log it) ---
@@ -152,7 +152,7 @@ def _launch_lock(name: str) -> Iterator[None]:
         except BlockingIOError:
             raise BadInput(f"another `kvctl launch` of cluster {name!r} is in progress",
                            where=str(cluster_dir(name)),
-                           fix="wait for it, or use another --name") from None
+                           fix="wait for it, or launch under another cluster name") from None
         try:
             yield
         finally:
@@ -193,7 +193,7 @@ def _ensure_name_free(name: str) -> None:
     if running:
         raise BadInput(f"cluster {name!r} already exists and is running ({', '.join(running)})",
                        where=str(cluster_dir(name)),
-                       fix=f"tear it down with `kvctl down --name {name}`, or launch with another --name")
+                       fix=f"tear cluster {name!r} down first (`kvctl down`), or launch under another name")
     log.info("cluster %r has state but no running server; cleaning it up (store kept)", name)
     _stop_all(instances)  # stray children of a dead leader
     remove_state(name)
@@ -237,7 +237,7 @@ def _is_healthy(client: httpx.Client, url: str) -> bool:
 
 
 def _startup_failure(role: str, inst: Instance, what: str, fix: str) -> RuntimeFailure:
-    tail = read_log_tail(inst.log_path, LOG_TAIL_LINES)
+    tail = read_log_tail(inst.log_path, TAIL_LINES)
     details = f"last {len(tail)} lines of the {role} log ({inst.log_path}):\n" + "\n".join(tail)
     return RuntimeFailure(what, where=str(inst.log_path), fix=fix, details=details)
 
@@ -283,7 +283,7 @@ def _wait_healthy(spec: ClusterSpec, instances: dict[str, Instance], t0: float,
                 raise _startup_failure(
                     role, instances[role],
                     f"the {role} server was not healthy after {spec.timeout_s:g} s",
-                    fix="read the log tail below; if it was still loading, raise --timeout")
+                    fix="read the log tail below; if it was still loading, raise the timeout")
             time.sleep(POLL_S)
 
 

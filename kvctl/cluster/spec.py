@@ -1,18 +1,11 @@
-"""Cluster spec (what to launch) and cluster state (what is running), and where state lives.
+"""Cluster spec: what to launch, validated, with the defaults filled in. Starts nothing.
 
-State is one JSON file per cluster, `$KVCTL_HOME/clusters/<name>/cluster.json`:
-
-    {"name": str, "runtime": "local"|"docker", "model": abs path,
-     "served_model_name": str, "store": abs host path of the shared store dir,
-     "created": ISO-8601 UTC,
-     "instances": {"prefill": {...}, "decode": {...}}}
-
-Each instance: `role`, `url`, `pid` (local) or `container_id` (docker) plus
-runtime extras (`start_ticks`, `command`), `log_path`, `kv_transfer_config`
-(dict, or null for a server without a connector), `cwd`. Other kvctl modules
-(verify, inspect-store, scenarios) read these fields: they are a contract.
-The cluster dir also holds the servers' cwd, their logs under `logs/`, and
-the default store `store/`.
+`build_1p1d_spec` turns the inputs of `kvctl launch 1p1d` or a scenario into a
+ClusterSpec: the model dir, each role's kv-transfer-config (validated through
+connectors.config), ports, environment, the shared store, the runtime and its
+options. Errors name the field at fault (`model`, `prefill_config`, `timeout`,
+...); each front end spells it its own way. Where the cluster's state lives
+is kvctl.cluster.state; parsing typed values is kvctl.cluster.parse.
 """
 
 from __future__ import annotations
@@ -20,40 +13,52 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
-from connectors.config.validate import (ConfigError, fs_storage_paths, registered_v0_connectors,
-                               validate_kv_transfer_config)
+from connectors.config.validate import (
+    ConfigError,
+    fs_storage_paths,
+    registered_v0_connectors,
+    validate_kv_transfer_config,
+)
+from kvctl.cluster.state import DEFAULT_NAME, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
-from kvctl.paths import kvctl_home
+from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
-from kvctl.runtime.docker import DockerOptions
+from kvctl.runtime.docker_options import DockerOptions
+
+# TEMP-SHIM(B): old names, until kvctl.verify, kvctl.scenario and tests/ import kvctl.cluster.state.
+from kvctl.cluster.state import (  # noqa: E402,F401
+    STATE_FILE,
+    ClusterState,
+    InstanceRecord,
+    clusters_root,
+    list_clusters,
+    load_cluster,
+    remove_state,
+    save_cluster,
+    utc_now,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NAME = "default"
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
 DEFAULT_WORKER_CLS = "connectors.v0.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
-STATE_FILE = "cluster.json"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
            "float16": "float16", "half": "float16"}
 
 
-class _Default:
-    """Marker: "use the default FSConnector config for this role"."""
+class DefaultConfig:
+    """The type of DEFAULT_CONFIG: "use the default FSConnector config for this role"."""
 
     def __repr__(self) -> str:
         return "DEFAULT_CONFIG"
 
 
-DEFAULT_CONFIG = _Default()
+DEFAULT_CONFIG = DefaultConfig()
 
 
 @dataclass(frozen=True)
@@ -87,154 +92,7 @@ class ClusterSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
 
 
-@dataclass
-class InstanceRecord:
-    role: str
-    url: str
-    log_path: str
-    kv_transfer_config: dict | None
-    cwd: str
-    runtime_fields: dict[str, Any]  # `pid`, `start_ticks`, `command` / `container_id`
-
-    def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "url": self.url, **self.runtime_fields,
-                "log_path": self.log_path, "kv_transfer_config": self.kv_transfer_config,
-                "cwd": self.cwd}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> InstanceRecord:
-        known = {"role", "url", "log_path", "kv_transfer_config", "cwd"}
-        return cls(role=d["role"], url=d["url"], log_path=d["log_path"],
-                   kv_transfer_config=d.get("kv_transfer_config"), cwd=d["cwd"],
-                   runtime_fields={k: v for k, v in d.items() if k not in known})
-
-
-@dataclass
-class ClusterState:
-    name: str
-    runtime: str
-    model: str
-    served_model_name: str
-    store: str
-    created: str
-    instances: dict[str, InstanceRecord] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "runtime": self.runtime, "model": self.model,
-                "served_model_name": self.served_model_name, "store": self.store,
-                "created": self.created,
-                "instances": {r: i.to_json() for r, i in self.instances.items()}}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> ClusterState:
-        return cls(name=d["name"], runtime=d["runtime"], model=d["model"],
-                   served_model_name=d["served_model_name"], store=d["store"],
-                   created=d["created"],
-                   instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()})
-
-
-# --- where state lives ---
-
-def validate_cluster_name(name: str) -> str:
-    if not _NAME_RE.match(name or ""):
-        raise BadInput(f"invalid cluster name {name!r}", where="--name",
-                       fix="use letters, digits, '.', '_' or '-' (at most 63, not starting with '.' or '-')")
-    return name
-
-
-def clusters_root() -> Path:
-    return kvctl_home() / "clusters"
-
-
-def cluster_dir(name: str) -> Path:
-    return clusters_root() / validate_cluster_name(name)
-
-
-def list_clusters() -> list[str]:
-    """Names of clusters that have state (a cluster.json), sorted."""
-    root = clusters_root()
-    if not root.is_dir():
-        return []
-    return sorted(p.parent.name for p in root.glob(f"*/{STATE_FILE}"))
-
-
-def save_cluster(state: ClusterState) -> Path:
-    """Write cluster.json atomically (temp file + rename): readers never see half a file."""
-    path = cluster_dir(state.name) / STATE_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(state.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def remove_state(name: str) -> None:
-    (cluster_dir(name) / STATE_FILE).unlink(missing_ok=True)
-
-
-def _unknown_cluster(name: str, where: Path) -> BadInput:
-    existing = list_clusters()
-    fix = (f"use --name with one of: {', '.join(existing)}" if existing
-           else f"launch one with `kvctl launch 1p1d --name {name}`")
-    return BadInput(f"no cluster named {name!r}", where=str(where), fix=fix)
-
-
-def load_cluster(name: str) -> ClusterState:
-    """The state of cluster `name`.
-
-    Raises BadInput naming the cluster and the existing ones when there is no
-    such cluster or its cluster.json is unreadable.
-    """
-    path = cluster_dir(name) / STATE_FILE
-    try:
-        data = json.loads(path.read_text())
-        return ClusterState.from_json(data)
-    except FileNotFoundError:
-        raise _unknown_cluster(name, path) from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise BadInput(f"the state of cluster {name!r} is unreadable: {e}", where=str(path),
-                       fix=f"remove it with `kvctl down --name {name}`") from None
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
 # --- building a spec from user input ---
-
-def parse_config_option(value: str | None, option: str) -> dict | None | _Default:
-    """A --prefill-config/--decode-config value: JSON, @file, `none` or `default`.
-
-    Raises BadInput naming the option for unreadable files and invalid JSON.
-    """
-    if value is None or value.strip().lower() == "default":
-        return DEFAULT_CONFIG
-    if value.strip().lower() == "none":
-        return None
-    text, where = value, option
-    if value.startswith("@"):
-        path = Path(value[1:]).expanduser()
-        where = f"{option} {path}"
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise BadInput(f"cannot read {path}: {e.strerror}", where=option,
-                           fix="pass an existing JSON file as @PATH, or the JSON itself") from None
-    try:
-        cfg = json.loads(text)
-    except ValueError as e:
-        raise BadInput(f"not valid JSON: {e}", where=where,
-                       fix="pass a kv-transfer-config JSON object, e.g. "
-                           '\'{"kv_connector":"FSConnector","kv_role":"kv_producer",...}\'') from None
-    if not isinstance(cfg, dict):
-        raise BadInput(f"a kv-transfer-config must be a JSON object, got {type(cfg).__name__}",
-                       where=where, fix='pass an object like {"kv_connector": ..., "kv_role": ...}')
-    return cfg
-
 
 def default_kv_config(role: str, store: Path) -> dict:
     """The seed's shape: FSConnector, producer on P, consumer on D, one shared store."""
@@ -243,10 +101,11 @@ def default_kv_config(role: str, store: Path) -> dict:
             "kv_connector_extra_config": {"fs_storage_path": str(store)}}
 
 
-def validate_kv_config(cfg: dict, option: str, env: Mapping[str, str]) -> None:
-    """Validate with connectors.config.validate; raises BadInput listing every problem.
+def validate_kv_config(cfg: dict, role: str, env: Mapping[str, str]) -> None:
+    """Validate `role`'s config with connectors.config.validate.
 
-    `env` is the server's environment: KVCTL_EXTRA_CONNECTORS there adds names.
+    Raises BadInput (field `<role>_config`) listing every problem. `env` is
+    the server's environment: KVCTL_EXTRA_CONNECTORS there adds names.
     """
     try:
         registered = registered_v0_connectors({**os.environ, **env})
@@ -254,7 +113,7 @@ def validate_kv_config(cfg: dict, option: str, env: Mapping[str, str]) -> None:
     except ValueError as e:  # ConfigError, or a malformed KVCTL_EXTRA_CONNECTORS
         problems = e.problems if isinstance(e, ConfigError) else []
         lines = [f"  {p.path}: {p.message} (fix: {p.fix})" for p in problems]
-        raise BadInput(f"invalid kv-transfer-config in {option}", where=option,
+        raise BadInput(f"invalid kv-transfer-config for the {role} server", field=f"{role}_config",
                        fix="correct the fields listed below (`kvctl validate` checks a config file)",
                        details="\n".join(lines) or str(e)) from None
 
@@ -274,36 +133,30 @@ def resolve_model(model: Path | None) -> Path:
     Raises BadInput for a missing dir or one without config.json.
     """
     if model is None:
-        try:
-            from kvctl.provision.tiny_model import ensure_default_model
-        except ModuleNotFoundError as e:
-            if e.name != "kvctl.provision.tiny_model":
-                raise
-            raise BadInput("no default model in this kvctl yet", where="--model",
-                           fix="pass --model PATH (a Hugging Face model directory)") from None
         return Path(ensure_default_model()).resolve()
     model = model.expanduser().resolve()
     if not model.is_dir():
-        raise BadInput(f"model directory not found: {model}", where="--model",
+        raise BadInput(f"model directory not found: {model}", field="model",
                        fix="pass an existing Hugging Face model directory "
-                           "(`kvctl model tiny --out DIR` makes a tiny one)")
+                           "(`kvctl model tiny` makes a tiny one)")
     if not (model / "config.json").is_file():
         raise BadInput(f"{model} has no config.json, so it is not a Hugging Face model directory",
-                       where="--model", fix="pass the directory that holds config.json and the weights")
+                       field="model", fix="pass the directory that holds config.json and the weights")
     return model
 
 
-def check_port_free(port: int, option: str) -> None:
-    """Raises BadInput when `port` on 127.0.0.1 cannot be bound (in use, or privileged)."""
+def check_port_free(port: int, field: str) -> None:
+    """Raises BadInput naming `field` when `port` on 127.0.0.1 cannot be bound (in use, or privileged)."""
     if not 0 < port < 65536:
-        raise BadInput(f"port {port} is out of range", where=option, fix="use 1024-65535, or omit it")
+        raise BadInput(f"port {port} is out of range", field=field,
+                       fix="use 1024-65535, or leave it out for a free one")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
             s.bind(("127.0.0.1", port))
         except OSError as e:
-            raise BadInput(f"port {port} is not available: {e.strerror}", where=option,
-                           fix="pick another port, or omit the option to use a free one") from None
+            raise BadInput(f"port {port} is not available: {e.strerror}", field=field,
+                           fix="pick another port, or leave it out for a free one") from None
 
 
 def default_cpu_binds() -> tuple[str, str]:
@@ -312,21 +165,10 @@ def default_cpu_binds() -> tuple[str, str]:
     return str(cores[0]), str(cores[1 % len(cores)])
 
 
-def parse_env_items(items: list[str] | tuple[str, ...], option: str) -> dict[str, str]:
-    env = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise BadInput(f"expected KEY=VALUE, got {item!r}", where=option,
-                           fix=f"write it as {option} NAME=VALUE")
-        env[key] = value
-    return env
-
-
 def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: Path | None = None,
                     served_model_name: str | None = None,
-                    prefill_config: dict | None | _Default = DEFAULT_CONFIG,
-                    decode_config: dict | None | _Default = DEFAULT_CONFIG,
+                    prefill_config: dict | None | DefaultConfig = DEFAULT_CONFIG,
+                    decode_config: dict | None | DefaultConfig = DEFAULT_CONFIG,
                     store: Path | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
                     prefill_port: int = 0, decode_port: int = 0,
                     prefill_args: tuple[str, ...] = (), decode_args: tuple[str, ...] = (),
@@ -338,15 +180,17 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
 
     Raises BadInput naming the field for: a bad name, a missing model dir, an
     invalid config, a port in use, equal ports, a non-positive timeout, docker
-    options for another runtime.
+    options for another runtime. Fields: `name`, `model`, `prefill_config`,
+    `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`.
     """
     validate_cluster_name(name)
     if docker is not None and runtime != "docker":
-        raise BadInput(f"--image, --gpus, --bind and the docker hosts need --runtime docker, "
-                       f"not {runtime}", where="--runtime", fix="add --runtime docker, or drop them")
+        raise BadInput(f"the image, gpus, bind address and docker hosts need the docker runtime, "
+                       f"not {runtime}", field="runtime",
+                       fix="choose the docker runtime, or drop the docker options")
     if timeout_s <= 0:
-        raise BadInput(f"timeout must be positive, got {timeout_s}", where="--timeout",
-                       fix="pass seconds, e.g. --timeout 300")
+        raise BadInput(f"timeout must be positive, got {timeout_s}", field="timeout",
+                       fix="pass seconds, e.g. 300")
     model_dir = resolve_model(model)
     cdir = cluster_dir(name)
     configs = {"prefill": prefill_config, "decode": decode_config}
@@ -355,23 +199,23 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     if store is not None:
         store_dir = store.expanduser().resolve()
         if user_paths - {str(store_dir)}:
-            log.warning("--store %s differs from fs_storage_path in the given configs (%s)",
+            log.warning("store %s differs from fs_storage_path in the given configs (%s)",
                         store_dir, ", ".join(sorted(user_paths)))
     elif len(user_paths) == 1:
         store_dir = Path(user_paths.pop())  # the configs say where the store is
     else:
         store_dir = cdir / "store"
-    for role, option in (("prefill", "--prefill-config"), ("decode", "--decode-config")):
-        if isinstance(configs[role], _Default):
+    for role in ("prefill", "decode"):
+        if isinstance(configs[role], DefaultConfig):
             configs[role] = default_kv_config(role, store_dir)
         elif configs[role] is not None:
-            validate_kv_config(configs[role], option, (prefill_env if role == "prefill" else decode_env) or {})
-    for port, option in ((prefill_port, "--prefill-port"), (decode_port, "--decode-port")):
+            validate_kv_config(configs[role], role, (prefill_env if role == "prefill" else decode_env) or {})
+    for port, port_field in ((prefill_port, "prefill_port"), (decode_port, "decode_port")):
         if port:
-            check_port_free(port, option)
+            check_port_free(port, port_field)
     if prefill_port and prefill_port == decode_port:
         raise BadInput(f"prefill and decode cannot both use port {prefill_port}",
-                       where="--prefill-port, --decode-port", fix="give them different ports")
+                       field=("prefill_port", "decode_port"), fix="give them different ports")
     p_bind, d_bind = default_cpu_binds()
     return ClusterSpec(
         name=name, runtime=runtime, model=model_dir,

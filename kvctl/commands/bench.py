@@ -12,6 +12,7 @@ from kvctl.bench import report, suite
 from kvctl.bench.common import check_repeat, parse_sizes
 from kvctl.errors import BadInput
 from kvctl.options import json_option
+from kvctl.views.bench import progress_printer, render_results
 from kvctl.views.output import Output
 
 bench_app = typer.Typer(
@@ -31,21 +32,6 @@ def register(app: typer.Typer) -> None:
     app.add_typer(bench_app, name="bench")
 
 
-def _progress(out: Output):
-    return lambda line: out.stderr.print(f"[dim]{escape(line)}[/dim]", highlight=False)
-
-
-def _show(out: Output, results: list[dict]) -> None:
-    if out.json_mode:
-        if len(results) == 1:
-            out.emit_json(results[0])
-        else:
-            merged = {k: v for r in results for k, v in r["ratios"].items()}
-            out.emit_json({"ratios": merged, **{r["bench"]: r for r in results}})
-        return
-    report.render(results, out.stdout)
-
-
 @bench_app.command("store")
 def store_cmd(
     sizes: Optional[list[str]] = typer.Option(None, "--sizes", help=f"{SIZES_OPT_HELP}, in MB "
@@ -58,9 +44,9 @@ def store_cmd(
 ) -> None:
     """Our FS store's save/load vs raw file I/O and the peers' formats (safetensors, torch.save)."""
     out = Output(json_mode=json_out)
-    mb = parse_sizes(sizes, suite.STORE_QUICK_MB if quick else suite.STORE_SIZES_MB, "--sizes",
-                     "MB", integer=False)
-    _show(out, [suite.run_store(mb, check_repeat(repeat), directory, _progress(out))])
+    mb = parse_sizes(sizes, suite.STORE_QUICK_MB if quick else suite.STORE_SIZES_MB, "MB", integer=False)
+    result = suite.run_store(mb, check_repeat(repeat), directory, progress_printer(out))
+    render_results(out, [result])
 
 
 @bench_app.command("layout")
@@ -77,9 +63,10 @@ def layout_cmd(
     """Gather/scatter through the paged KV layouts (CPU V0, flash) vs a plain memcpy."""
     out = Output(json_mode=json_out)
     tokens = parse_sizes(sizes, suite.LAYOUT_QUICK_TOKENS if quick else suite.LAYOUT_TOKENS,
-                         "--sizes", "tokens", integer=True)
-    _show(out, [suite.run_layout([int(t) for t in tokens], check_repeat(repeat), device, threads,
-                                 _progress(out))])
+                         "tokens", integer=True)
+    result = suite.run_layout([int(t) for t in tokens], check_repeat(repeat), device, threads,
+                              progress_printer(out))
+    render_results(out, [result])
 
 
 @bench_app.command("ttft")
@@ -98,9 +85,9 @@ def ttft_cmd(
     """
     out = Output(json_mode=json_out)
     tokens = parse_sizes(sizes, suite.TTFT_QUICK_TOKENS if quick else suite.TTFT_TOKENS,
-                         "--sizes", "tokens", integer=True)
-    _show(out, [suite.run_ttft([int(t) for t in tokens], check_repeat(repeat), model,
-                               _progress(out))])
+                         "tokens", integer=True)
+    result = suite.run_ttft([int(t) for t in tokens], check_repeat(repeat), model, progress_printer(out))
+    render_results(out, [result])
 
 
 @bench_app.command("all")
@@ -117,8 +104,8 @@ def all_cmd(
     out = Output(json_mode=json_out)
     if markdown is not None and markdown.is_dir():
         raise BadInput(f"{markdown} is a directory", where="--markdown", fix="pass a file path")
-    results = suite.run_all(quick, check_repeat(repeat), directory, model, _progress(out))
+    results = suite.run_all(quick, check_repeat(repeat), directory, model, progress_printer(out))
     if markdown is not None:
         markdown.write_text(report.markdown(results, suite.README_COMMAND))
         out.info(f"wrote {escape(str(markdown))}")
-    _show(out, results)
+    render_results(out, results)

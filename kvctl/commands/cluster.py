@@ -11,21 +11,16 @@ from enum import Enum
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
-from kvctl.cluster import lifecycle as lifecycle
-from kvctl.cluster.spec import (
-    DEFAULT_NAME,
-    DEFAULT_TIMEOUT_S,
-    DEFAULT_WORKER_CLS,
-    build_1p1d_spec,
-    parse_config_option,
-    parse_env_items,
-)
+from kvctl.cluster import lifecycle
+from kvctl.cluster.parse import parse_env_items, parse_kv_config
+from kvctl.cluster.spec import DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, build_1p1d_spec
+from kvctl.cluster.state import DEFAULT_NAME
 from kvctl.errors import BadInput, ExitCode
+from kvctl.options import json_option
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
-from kvctl.runtime.docker import docker_options
-from kvctl.views.cluster import LaunchDisplay
+from kvctl.runtime.docker_options import docker_options
+from kvctl.views.cluster import LaunchDisplay, render_down, render_launched, render_status
 from kvctl.views.output import Output
 from kvctl.views.rig import ensure_rig
 
@@ -70,7 +65,7 @@ def launch_1p1d_cmd(
         None, "--prefill-docker-host", help="docker: P's engine (unix://, tcp://, ssh://; default $DOCKER_HOST)."),
     decode_docker_host: str | None = typer.Option(
         None, "--decode-docker-host", help="docker: D's engine; on another host the store must be shared (NFS)."),
-    json_: bool = typer.Option(False, "--json", help="Print the cluster state as JSON."),
+    json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
     """Launch one prefill and one decode vLLM server sharing a KV store."""
     out = Output(json_mode=json_)
@@ -81,12 +76,12 @@ def launch_1p1d_cmd(
               if chosen == "docker" or docker_given else None)
     spec = build_1p1d_spec(
         name=name, runtime=chosen, model=model, served_model_name=served_model_name,
-        prefill_config=parse_config_option(prefill_config, "--prefill-config"),
-        decode_config=parse_config_option(decode_config, "--decode-config"),
+        prefill_config=parse_kv_config(prefill_config, "prefill_config"),
+        decode_config=parse_kv_config(decode_config, "decode_config"),
         store=store, timeout_s=timeout, prefill_port=prefill_port, decode_port=decode_port,
         prefill_args=tuple(prefill_arg), decode_args=tuple(decode_arg),
-        prefill_env=parse_env_items(prefill_env, "--prefill-env"),
-        decode_env=parse_env_items(decode_env, "--decode-env"),
+        prefill_env=parse_env_items(prefill_env, "prefill_env"),
+        decode_env=parse_env_items(decode_env, "decode_env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker)
     out.info(f"runtime: [bold]{chosen}[/bold] ({why}); model {spec.model}; store {spec.store}")
     if chosen == "local":
@@ -98,23 +93,12 @@ def launch_1p1d_cmd(
         out.info(f"[yellow]interrupted[/yellow] ({e or 'SIGINT'}): stopped the servers of cluster "
                  f"{name!r} and removed its state")
         raise
-    if json_:
-        out.emit_json(state.to_json())
-        return
-    table = Table(title=f"cluster {state.name!r} is up", title_justify="left")
-    for col in ("role", "url", "pid", "log"):
-        table.add_column(col, overflow="fold")
-    for role, rec in state.instances.items():
-        ident = rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", "")
-        table.add_row(role, rec.url, str(ident), rec.log_path)
-    out.stdout.print(table)
-    out.info(f"store: {state.store}\nnext: `kvctl verify --name {state.name}`, "
-             f"`kvctl down --name {state.name}`")
+    render_launched(out, state)
 
 
 def status_cmd(
     name: str | None = typer.Option(None, "--name", help="One cluster (default: list all)."),
-    json_: bool = typer.Option(False, "--json", help="Print JSON."),
+    json_: bool = json_option("Print JSON."),
 ) -> None:
     """Show clusters and whether their servers run and answer /health.
 
@@ -122,23 +106,7 @@ def status_cmd(
     """
     out = Output(json_mode=json_)
     statuses = [lifecycle.cluster_status(name)] if name else lifecycle.all_cluster_status()
-    if json_:
-        out.emit_json(statuses[0].to_json() if name else {"clusters": [s.to_json() for s in statuses]})
-    elif not statuses:
-        out.info("no clusters (start one with `kvctl launch 1p1d`)")
-    else:
-        table = Table(title_justify="left")
-        for col in ("cluster", "role", "state", "url", "pid", "log"):
-            table.add_column(col, overflow="fold")
-        for st in statuses:
-            for role, h in st.instances.items():
-                rec = st.state.instances[role]
-                state = ("[green]healthy[/green]" if h.healthy else
-                         "[yellow]running, not healthy[/yellow]" if h.running else
-                         f"[red]down[/red] ({h.detail})")
-                ident = rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", "")
-                table.add_row(st.state.name, role, state, rec.url, str(ident), rec.log_path)
-        out.stdout.print(table)
+    render_status(out, statuses, one=name is not None)
     if name and not statuses[0].healthy:
         raise typer.Exit(ExitCode.CHECK_FAILED)
 
@@ -166,24 +134,11 @@ def logs_cmd(
 def down_cmd(
     name: str = typer.Option(DEFAULT_NAME, "--name", help=_NAME_HELP),
     keep_store: bool = typer.Option(False, "--keep-store", help="Keep the store dir."),
-    json_: bool = typer.Option(False, "--json", help="Print JSON."),
+    json_: bool = json_option("Print JSON."),
 ) -> None:
     """Stop a cluster's servers and remove its state (idempotent)."""
     out = Output(json_mode=json_)
-    report = lifecycle.down(name, keep_store=keep_store)
-    if json_:
-        out.emit_json(report.to_json())
-        return
-    if not report.found:
-        out.info(f"no cluster named {name!r}; nothing to tear down")
-        return
-    for s in report.stopped:
-        what = f"stopped ({s.signal}, {s.seconds:.1f} s)" if s.was_running else "was not running"
-        out.info(f"{s.role}: {what}")
-    if report.kept_store:
-        out.info(f"removed cluster {name!r} ({report.removed}); kept its store {report.kept_store}")
-    else:
-        out.info(f"removed cluster {name!r} ({report.removed})")
+    render_down(out, lifecycle.down(name, keep_store=keep_store))
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,4 @@
-"""Cluster views: the launch progress display."""
+"""Cluster views: the launch progress display, the launched cluster, status, down."""
 
 from __future__ import annotations
 
@@ -6,8 +6,68 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.cluster.lifecycle import LaunchProgress
+from kvctl.cluster.lifecycle import ClusterStatus, DownReport, LaunchProgress
+from kvctl.cluster.state import ClusterState, InstanceRecord
 from kvctl.views.output import Output
+
+
+def _ident(rec: InstanceRecord) -> str:
+    """What the runtime knows the server by: its pid or its container id."""
+    return str(rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", ""))
+
+
+def render_launched(out: Output, state: ClusterState) -> None:
+    """`kvctl launch`: the cluster state (JSON), or a table of its servers and what next."""
+    if out.json_mode:
+        out.emit_json(state.to_json())
+        return
+    table = Table(title=f"cluster {state.name!r} is up", title_justify="left")
+    for col in ("role", "url", "pid", "log"):
+        table.add_column(col, overflow="fold")
+    for role, rec in state.instances.items():
+        table.add_row(role, rec.url, _ident(rec), rec.log_path)
+    out.stdout.print(table)
+    out.info(f"store: {state.store}\nnext: `kvctl verify --name {state.name}`, "
+             f"`kvctl down --name {state.name}`")
+
+
+def render_status(out: Output, statuses: list[ClusterStatus], one: bool) -> None:
+    """`kvctl status`: one cluster's status object (`one`), or every cluster's."""
+    if out.json_mode:
+        out.emit_json(statuses[0].to_json() if one else {"clusters": [s.to_json() for s in statuses]})
+        return
+    if not statuses:
+        out.info("no clusters (start one with `kvctl launch 1p1d`)")
+        return
+    table = Table(title_justify="left")
+    for col in ("cluster", "role", "state", "url", "pid", "log"):
+        table.add_column(col, overflow="fold")
+    for st in statuses:
+        for role, h in st.instances.items():
+            rec = st.state.instances[role]
+            state = ("[green]healthy[/green]" if h.healthy else
+                     "[yellow]running, not healthy[/yellow]" if h.running else
+                     f"[red]down[/red] ({h.detail})")
+            table.add_row(st.state.name, role, state, rec.url, _ident(rec), rec.log_path)
+    out.stdout.print(table)
+
+
+def render_down(out: Output, report: DownReport) -> None:
+    """`kvctl down`: what was stopped and removed."""
+    if out.json_mode:
+        out.emit_json(report.to_json())
+        return
+    name = report.name
+    if not report.found:
+        out.info(f"no cluster named {name!r}; nothing to tear down")
+        return
+    for s in report.stopped:
+        what = f"stopped ({s.signal}, {s.seconds:.1f} s)" if s.was_running else "was not running"
+        out.info(f"{s.role}: {what}")
+    if report.kept_store:
+        out.info(f"removed cluster {name!r} ({report.removed}); kept its store {report.kept_store}")
+    else:
+        out.info(f"removed cluster {name!r} ({report.removed})")
 
 
 class LaunchDisplay:
