@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 from kvctl.options import JSON_OPT
 from kvctl.provision import tiny_model
+from kvctl.views.model import render_model
 from kvctl.views.output import Output
 
 model_app = typer.Typer(
@@ -19,7 +19,6 @@ model_app = typer.Typer(
 
 OUT_OPT = typer.Option(..., "--out", help="Folder to write (new, empty, or an earlier kvctl model).")
 SEED_OPT = typer.Option(0, "--seed", min=0, help="Weight seed.")
-
 
 
 def register(app: typer.Typer) -> None:
@@ -40,11 +39,4 @@ def bench(out: Path = OUT_OPT, seed: int = SEED_OPT, json_out: bool = JSON_OPT) 
 
 def _write(out_dir: Path, preset: str, seed: int, json_out: bool) -> None:
     out = Output(json_mode=json_out)
-    info = tiny_model.write_model(out_dir, preset, seed)
-    if json_out:
-        out.emit_json(info.to_json())
-        return
-    verb = "wrote" if info.created else "already there:"
-    out.info(f"{verb} {preset} model (seed {seed}, {info.dtype}): "
-             f"{info.num_params:,} params, {info.total_bytes / 1e6:.1f} MB")
-    out.stdout.print(escape(str(info.path)), highlight=False)
+    render_model(out, tiny_model.write_model(out_dir, preset, seed), preset, seed)

@@ -1,4 +1,5 @@
-"""Rig views: the install progress display, and installing the rig when a launch needs it."""
+"""Rig views: the install progress display, the install result, the rig's status, and
+installing the rig when a launch needs it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from kvctl.errors import BadInput
 from kvctl.provision import rig
@@ -81,3 +83,35 @@ class InstallReporter:
                 self.task = None
             note = f" [dim]({escape(e.note)})[/dim]" if e.state == "done" and e.note else ""
             self._print(f"{pos} {e.title}: {mark} in {e.seconds:.1f} s{note}")
+
+
+def render_installed(out: Output, info: rig.RigInfo) -> None:
+    """`kvctl rig install`: what ran (stderr) and the rig's python (stdout), or the JSON."""
+    if out.json_mode:
+        out.emit_json(info.to_json())
+        return
+    ran = [s for s in info.steps if s.status == "ran"]
+    verb = f"built ({len(ran)} steps ran)" if ran else "already complete"
+    out.info(f"[bold green]rig {verb}[/bold green] in {info.total_s:.1f} s: "
+             f"{escape(str(info.path))}")
+    out.stdout.print(str(info.python), highlight=False)
+
+
+def render_rig_status(out: Output, st: dict) -> None:
+    """`kvctl rig status`: each step's state, the size and the interpreter, or the JSON."""
+    if out.json_mode:
+        out.emit_json(st)
+        return
+    table = Table(title=f"rig {st['path']}", title_justify="left")
+    for col in ("step", "state", "seconds", "note"):
+        table.add_column(col)
+    colors = {"done": "green", "stale": "yellow", "missing": "red"}
+    for s in st["steps"]:
+        table.add_row(s["name"], f"[{colors[s['state']]}]{s['state']}[/]",
+                      "" if s["seconds"] is None else f"{s['seconds']:.1f}",
+                      escape(s["note"] or ""))
+    out.stdout.print(table)
+    state = "[green]installed[/green]" if st["installed"] else "[red]not installed[/red]"
+    out.stdout.print(f"{state}, {st['size_bytes'] / 1e9:.2f} GB, python {st['python']}")
+    if st["python_override"]:
+        out.stdout.print(f"KVCTL_RIG_PYTHON overrides it: {st['python_override']}")
