@@ -16,10 +16,12 @@ from seed_configs import SEED_D, SEED_P
 from kvctl.errors import BadInput
 from kvctl.scenario.schema import (
     CHECK_NAMES,
+    FIELD_PATHS,
     Scenario,
     check_scenario,
     list_scenarios,
     load_scenario,
+    scenario_path,
     scenarios_dir,
 )
 
@@ -240,3 +242,16 @@ def test_cli_validate_scenarios(tmp_path):
     result = kvctl("validate", str(broken))
     assert result.returncode == 2 and "not valid YAML" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_field_paths_point_at_scenario_keys():
+    """Every library field a scenario maps lands on a key the schema has (so a located error is findable)."""
+    for field, path in FIELD_PATHS.items():
+        model, parts = Scenario, path.removeprefix("$.").split(".")
+        for i, part in enumerate(parts):
+            assert part in model.model_fields, (field, path)
+            if i < len(parts) - 1:
+                model = model.model_fields[part].annotation
+    assert scenario_path("max_tokens") == "$.max_tokens"
+    assert scenario_path("prefill_config") == "$.prefill.kv_transfer_config"
+    assert scenario_path("prefill_port") is None  # scenarios pick ports themselves

@@ -139,7 +139,11 @@ def test_plan_resolves_placeholders_children_and_store(kvctl_home, tiny_model):
     (lambda d: d.update(prompts=["ok", "   "]), "$.prompts[1]", "prompt 2 is empty"),
     (lambda d: d["expectations"].update(sent_to_connectors=["FSConnector"] * 3),
      "$.expectations.sent_to_connectors[2]", "P has 2 sending FSConnector children"),
-], ids=["missing-model", "blank-prompt", "too-many-children"])
+    (lambda d: d["prefill"].setdefault("env", {}).update(KVCTL_EXTRA_CONNECTORS="garbage"),
+     "$.prefill.kv_transfer_config", "invalid kv-transfer-config for the prefill server"),
+    (lambda d: (d.update(runtime="docker"), d["prefill"].update(docker_host="tcp://10.0.0.5:2375")),
+     "bind, $.prefill.docker_host", "is another host"),
+], ids=["missing-model", "blank-prompt", "too-many-children", "spec-config-field", "docker-field"])
 def test_plan_refuses_with_the_scenario_field(edit, where, what, kvctl_home, tiny_model):
     doc = shipped("multi-1p1d")
     doc["model"] = str(tiny_model)

@@ -43,7 +43,8 @@ from kvctl.verify.checks import (
 from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
 from kvctl.verify.prompts import load_prompts_file
 from kvctl.verify.report import RequestReport, VerifyReport
-from kvctl.verify.verifier import expected_send_children, verify_cluster
+from kvctl.verify.load_mode import ERROR_CHECK, run_load
+from kvctl.verify.verifier import RunOptions, expected_send_children, run_verify, verify_cluster
 
 IDENT = KVIdentity(model="tiny", num_layers=2, kv_parts=2, kv_heads=2, head_size=4, dtype="F32")
 SEED_P_CONFIG = {"kv_connector": "MultiConnectorV0", "kv_role": "kv_both", "kv_connector_extra_config": {
@@ -471,3 +472,41 @@ def test_unreachable_instance_is_runtime_failure(tmp_path):
     with pytest.raises(RuntimeFailure) as e:
         verify_cluster(info, ["hi"], 2)
     assert "127.0.0.1:9" in e.value.what and "kvctl status" in e.value.fix
+
+
+# ------------------------------------------------------------------ the one driver: its options
+
+
+def test_driver_checks_the_send_children_it_is_given(fake_cluster):
+    info = fake_cluster("kids")  # P logs no `sent to connector` line: a plain FSConnector
+    run = run_verify(info, ["Hello"], RunOptions(max_tokens=3, send_children=[(0, "FSConnector")], log_wait_s=0.5))
+    send = run.report.requests[0].check("kv_send_logged")
+    assert not send.passed and "no `sent to connector FSConnector` line for child 0" in send.evidence
+    assert run.wall_s > 0
+    assert run_verify(info, ["Hello"], RunOptions(max_tokens=3)).report.passed  # default: P's own config
+
+
+def test_driver_keeps_going_only_when_asked(fake_cluster, tmp_path):
+    live = fake_cluster("half")
+    dead = InstanceInfo("decode", "http://127.0.0.1:9", tmp_path / "d.log", {})
+    info = ClusterInfo(live.name, live.model, live.store, live.prefill, dead)
+    with pytest.raises(RuntimeFailure):
+        run_verify(info, ["Hello", "Bye"], RunOptions(max_tokens=3))
+    done = []
+    load = run_load(info, ["Hello", "Bye"], 3, concurrency=2, progress=lambda i, n, s: done.append((i, s)))
+    assert [[c.name for c in r.checks] for r in load.verify.requests] == [[ERROR_CHECK], [ERROR_CHECK]]
+    assert load.load.to_json()["num_errors"] == 2 and not load.passed
+    assert sorted(i for i, s in done if s == "done") == [0, 1]
+
+
+def test_driver_errors_name_fields_and_the_cli_spells_them(fake_cluster, capsys):
+    info = fake_cluster("fields")
+    for options, field in ((RunOptions(max_tokens=0), "max_tokens"), (RunOptions(concurrency=0), "concurrency")):
+        with pytest.raises(BadInput) as e:
+            run_verify(info, ["Hello"], options)
+        assert e.value.fields == (field,) and e.value.where is None and "--" not in (e.value.fix or "")
+    with pytest.raises(BadInput) as e:
+        run_verify(info, ["ok", " "], RunOptions())
+    assert e.value.where == "prompts[1]"
+    assert main(["verify", "--name", "fields", "--max-tokens", "0", "--prompt", "a"]) == 2
+    assert "where: --max-tokens" in capsys.readouterr().err
