@@ -22,13 +22,8 @@ import httpx
 import pytest
 from conftest import group_alive, live_processes_under, pid_alive
 
-from kvctl.cluster.spec import (
-    ClusterState,
-    InstanceRecord,
-    build_1p1d_spec,
-    save_cluster,
-    utc_now,
-)
+from kvctl.cluster.spec import build_1p1d_spec
+from kvctl.cluster.state import ClusterState, InstanceRecord, save_cluster, utc_now
 from kvctl.cluster.lifecycle import down, running_cluster
 from kvctl.runtime.processes import process_start_ticks
 

@@ -39,7 +39,7 @@ from docker_helpers import (
     skip_or_fail,
 )
 
-from kvctl.verify.verifier import CHECKS
+from kvctl.verify.checks import CHECKS
 
 pytestmark = pytest.mark.docker
 

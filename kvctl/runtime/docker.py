@@ -60,7 +60,6 @@ from kvctl.runtime.base import (
 )
 from kvctl.runtime.docker_engine import connect, daemon_error, engine_hostname
 from kvctl.runtime.docker_options import DEFAULT_GPUS, DockerOptions
-from kvctl.runtime.docker_options import docker_options  # noqa: F401  TEMP-SHIM(B): old import path
 from kvctl.runtime.log_follower import spawn_follower
 from kvctl.runtime.processes import group_members, process_start_ticks
 from kvctl.subprocesses import TAIL_LINES
