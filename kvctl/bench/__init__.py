@@ -6,8 +6,10 @@ Modules:
     store.py    runs in the rig (torch): our store vs raw file I/O and the peers' formats
     layout.py   runs in the rig (torch): gather/scatter through the paged layouts vs memcpy
     ttft.py     no torch: real vLLM servers, decode TTFT with KV loaded vs recomputed
-    report.py   no torch: the result object, rich tables, the README markdown table
+    report.py   no torch: the result object (ratios, goals) and the README markdown table
     suite.py    the entry points the CLI calls: run_store / run_layout / run_ttft / run_all
+
+The rich tables are kvctl.views.bench; only the rig-side entry points print (their JSON).
 
 The rig-side modules print one JSON object on stdout when run as
 `python -m kvctl.bench.<name> '<params json>'`; kvctl itself never imports
@@ -17,4 +19,10 @@ measured in the same run. Throughput ratios are `ours / baseline` (times:
 multi overhead) say so in their name's definition: lower is better. A
 headline ratio is the worst case over the sizes measured; `ratios_by_size`
 has each size.
+
+May import: `kvctl.cluster`, `kvctl.runtime`, `kvctl.provision`, `kvctl.verify.markers`,
+`kvctl.client`, `kvctl.subprocesses`, `kvctl.errors`, `kvctl.paths`; store.py and
+layout.py also torch, numpy, safetensors and `connectors` (they run in the rig),
+and common.py is imported there too, so it stays torch-free and light. Never a
+command or a view.
 """

@@ -1,7 +1,13 @@
 """Clusters: the spec (what to start), the state file (what runs), and the lifecycle.
 
-    spec.py       ClusterSpec: instances, configs, model, store; the cluster state file
+    spec.py       ClusterSpec and build_1p1d_spec: model, configs, ports, store, runtime
+                  options, validated, defaults filled in; starts nothing
+    parse.py      values as people type them (a kv-transfer-config as JSON, @file,
+                  none or default; KEY=VALUE lists), errors naming the field
+    state.py      cluster.json: ClusterState, where it lives (cluster_dir), load/save
     lifecycle.py  launch, status and down over a runtime
 
-May import: `kvctl.runtime`, `kvctl.provision`, `connectors.config`, `kvctl.errors`, `kvctl.paths`.
+May import: `kvctl.runtime`, `kvctl.provision`, `kvctl.subprocesses`, `connectors.config`,
+`kvctl.errors`, `kvctl.paths`. Never a command, a view, verify or scenario (they
+build on this).
 """
