@@ -6,7 +6,6 @@ the result (rich on stderr for people, one JSON object on stdout for --json).
 
 from __future__ import annotations
 
-import sys
 from enum import Enum
 from pathlib import Path
 
@@ -20,7 +19,15 @@ from kvctl.errors import BadInput, ExitCode
 from kvctl.options import json_option
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
 from kvctl.runtime.docker_options import docker_options
-from kvctl.views.cluster import LaunchDisplay, render_down, render_launched, render_status
+from kvctl.views.cluster import (
+    LaunchDisplay,
+    render_down,
+    render_launch_interrupted,
+    render_launch_plan,
+    render_launched,
+    render_log_lines,
+    render_status,
+)
 from kvctl.views.output import Output
 from kvctl.views.rig import ensure_rig
 
@@ -83,15 +90,14 @@ def launch_1p1d_cmd(
         prefill_env=parse_env_items(prefill_env, "prefill_env"),
         decode_env=parse_env_items(decode_env, "decode_env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker)
-    out.info(f"runtime: [bold]{chosen}[/bold] ({why}); model {spec.model}; store {spec.store}")
+    render_launch_plan(out, spec, why)
     if chosen == "local":
         ensure_rig(out)
     try:
         with LaunchDisplay(out) as display:
             state = lifecycle.launch_1p1d(spec, progress=display)
     except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM, SIGHUP: launch has cleaned up already
-        out.info(f"[yellow]interrupted[/yellow] ({e or 'SIGINT'}): stopped the servers of cluster "
-                 f"{name!r} and removed its state")
+        render_launch_interrupted(out, name, e)
         raise
     render_launched(out, state)
 
@@ -120,10 +126,7 @@ def logs_cmd(
     """Print a server's log (stdout)."""
     inst = lifecycle.instance(name, role.value)
     try:
-        for line in inst.logs(tail=tail, follow=follow):
-            sys.stdout.write(line + "\n")
-            if follow:
-                sys.stdout.flush()
+        render_log_lines(inst.logs(tail=tail, follow=follow), flush_each=follow)
     except KeyboardInterrupt:
         pass  # Ctrl-C is how --follow ends
     except FileNotFoundError:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterable
+
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from kvctl.cluster.lifecycle import ClusterStatus, DownReport, LaunchProgress
+from kvctl.cluster.spec import ClusterSpec
 from kvctl.cluster.state import ClusterState, InstanceRecord
 from kvctl.views.output import Output
 
@@ -14,6 +18,25 @@ from kvctl.views.output import Output
 def _ident(rec: InstanceRecord) -> str:
     """What the runtime knows the server by: its pid or its container id."""
     return str(rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", ""))
+
+
+def render_launch_plan(out: Output, spec: ClusterSpec, why: str) -> None:
+    """Before a launch: the runtime (and why it was chosen), the model and the store."""
+    out.info(f"runtime: [bold]{spec.runtime}[/bold] ({why}); model {spec.model}; store {spec.store}")
+
+
+def render_launch_interrupted(out: Output, name: str, e: KeyboardInterrupt) -> None:
+    """A launch stopped by Ctrl-C, SIGTERM or SIGHUP (it has cleaned up already)."""
+    out.info(f"[yellow]interrupted[/yellow] ({e or 'SIGINT'}): stopped the servers of cluster "
+             f"{name!r} and removed its state")
+
+
+def render_log_lines(lines: Iterable[str], flush_each: bool) -> None:
+    """`kvctl logs`: the lines on stdout as they come (flushed one by one when following)."""
+    for line in lines:
+        sys.stdout.write(line + "\n")
+        if flush_each:
+            sys.stdout.flush()
 
 
 def render_launched(out: Output, state: ClusterState) -> None:
