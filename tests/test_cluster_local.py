@@ -88,7 +88,9 @@ def test_launch_status_chat_logs_down(kvctl, kvctl_home, rig_python, tiny_model,
     # A second launch under a running name is refused before anything starts.
     again = kvctl("launch", "1p1d", "--runtime", "local", "--name", "lc", "--model", str(tiny_model))
     assert again.rc == 2, again
-    assert "already exists and is running" in again.stderr and "kvctl down --name lc" in again.stderr
+    # Library fixes name no CLI flag: the command to run, and the cluster by name.
+    assert "already exists and is running" in again.stderr and "tear cluster 'lc' down first" in again.stderr
+    assert "`kvctl down`" in again.stderr
     assert json.loads((cdir / "cluster.json").read_text()) == state
 
     st = kvctl("status", "--name", "lc", "--json")
@@ -157,7 +159,7 @@ def test_timeout_fails_launch_and_replaces_stale_state(kvctl, kvctl_home, rig_py
     r = kvctl("launch", "1p1d", "--runtime", "local", "--name", "slow", "--model", str(tiny_model),
               *PLAIN, "--timeout", "3", timeout=LAUNCH_TIMEOUT_S)
     assert r.rc == 3, r
-    assert "server was not healthy after 3 s" in r.stderr and "raise --timeout" in r.stderr
+    assert "server was not healthy after 3 s" in r.stderr and "raise the timeout" in r.stderr
     assert not (kvctl_home / "clusters" / "slow" / "cluster.json").exists()
     assert_nothing_left(kvctl_home)
 
