@@ -1,7 +1,9 @@
 """The FS store: one safetensors entry per (prompt, TP rank).
 
-    format.py    the on-disk format, keys, atomic publish, reading and checking entries.
-                 Standard library + xxhash only: kvctl reads stores without torch.
+    format.py    the on-disk format, keys, atomic publish, reading and checking entries,
+                 and the one rule for what a name in a store is (entry, temp, lock, foreign)
+                 and what may be deleted. Standard library + xxhash only: kvctl reads
+                 stores without torch.
     eviction.py  bounded stores: the store lock, LRU eviction (imports format)
     fs_store.py  the torch side used by the connectors: save and load tensors (imports both)
 

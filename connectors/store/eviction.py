@@ -14,6 +14,12 @@ then publish" with an flock on `<root>/.kvctl-store.lock`, so the published
 entries never exceed `max_bytes`, not even transiently. (Temp files being
 written are not entries and are not counted.) No torch, no vLLM: `kvctl store
 prune` uses the same code.
+
+Only entries count and only entries are evicted: what an entry is, is the
+format's one rule (`format.file_kind`: exact name, regular file by lstat), and
+every removal goes through `format.remove_store_file`. A user's
+`model.safetensors`, a directory named `x.safetensors` or a symlink are never
+counted, removed or followed.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class EvictionReport:
 @contextlib.contextmanager
 def store_lock(root: Path | str) -> Iterator[None]:
     """Exclusive lock over the store's publish + eviction (all processes sharing it)."""
-    fd = os.open(Path(root) / fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(Path(root) / fmt.LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -51,19 +57,15 @@ def store_lock(root: Path | str) -> Iterator[None]:
         os.close(fd)  # closing releases the flock
 
 
+def _entries_oldest_first(root: Path | str) -> list[fmt.StoreFile]:
+    entries = [f for f in fmt.list_store(root) if f.kind is fmt.FileKind.ENTRY]
+    entries.sort(key=lambda f: f.stat.st_mtime)
+    return entries
+
+
 def published_entries(root: Path | str) -> list[tuple[Path, int, float]]:
-    """(path, bytes, mtime) of every published entry name, oldest first. Headers not read."""
-    found = []
-    with os.scandir(root) as it:
-        for e in it:
-            if e.name.endswith(fmt.ENTRY_SUFFIX) and not e.name.startswith("."):
-                try:
-                    st = e.stat()
-                except FileNotFoundError:
-                    continue  # removed meanwhile
-                found.append((Path(e.path), st.st_size, st.st_mtime))
-    found.sort(key=lambda item: item[2])
-    return found
+    """(path, bytes, mtime) of every published entry, oldest first (lstat only, headers not read)."""
+    return [(f.path, f.stat.st_size, f.stat.st_mtime) for f in _entries_oldest_first(root)]
 
 
 def evict(root: Path | str, *, max_bytes: int | None = None, ttl_seconds: float | None = None,
@@ -71,20 +73,19 @@ def evict(root: Path | str, *, max_bytes: int | None = None, ttl_seconds: float 
     """Remove expired entries, then the least recently used until `incoming` more bytes fit.
 
     The caller holds `store_lock` when eviction must be atomic with a publish.
+    Raises OSError when an entry cannot be removed (permissions).
     """
     now = time.time() if now is None else now
-    entries = published_entries(root)
-    report = EvictionReport(total_bytes=sum(size for _, size, _ in entries))
-    for path, size, mtime in entries:
-        expired = ttl_seconds is not None and now - mtime > ttl_seconds
+    entries = _entries_oldest_first(root)
+    report = EvictionReport(total_bytes=sum(f.stat.st_size for f in entries))
+    for found in entries:
+        size = found.stat.st_size
+        expired = ttl_seconds is not None and now - found.stat.st_mtime > ttl_seconds
         over = max_bytes is not None and report.total_bytes + incoming > max_bytes
         if not (expired or over):
             break  # oldest first: no newer entry is expired or needed for room either
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass  # another producer evicted it first
-        report.removed.append(path.name)
+        fmt.remove_store_file(found)  # False: another producer evicted or replaced it first
+        report.removed.append(found.name)
         report.freed_bytes += size
         report.total_bytes -= size
     return report

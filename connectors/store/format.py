@@ -3,11 +3,17 @@
 This module is the only place that knows the format. It imports neither torch
 nor vLLM, so `kvctl inspect-store` can read and check a store anywhere.
 
-Layout of a store directory::
+Layout of a store directory, and the one rule for what each name is
+(`file_kind`; every tool, the reader and eviction use it)::
 
-    <root>/<key>.safetensors          one published entry (prompt x TP rank)
-    <root>/.<key>.<pid>.<rand>.tmp     an entry being written (never read)
-    <root>/.kvctl-store.lock           flock for publish + eviction (bounded stores)
+    <root>/<key>.safetensors           an entry: <key> is 32 lowercase hex digits
+    <root>/.<key>.<pid>.<rand>.tmp      an entry being written (<pid> decimal, <rand> 8 hex)
+    <root>/.kvctl-store.lock            flock for publish + eviction (bounded stores)
+
+A name is an entry or a temp file only if it matches its pattern exactly AND
+`lstat` says it is a regular file (symlinks are never followed). Everything
+else is foreign: never read, deleted, moved or touched. Only entries and temp
+files are ever deleted, and only through `remove_store_file`.
 
 An entry is a plain safetensors file (8-byte little-endian header length,
 JSON header, data) holding, in this order:
@@ -31,21 +37,32 @@ the prompt is never served.
 
 Entries are published atomically: written to a temp name in the same
 directory, fsync'ed (configurable), then renamed over the final name.
+
+Reading is hostile-input safe: anything wrong with a file under an entry name
+(damaged or crafted header, wrong shapes, a FIFO, a symlink, a directory) is
+`EntryCorrupt` with a reason, never another exception; entries are opened
+without following symlinks and without blocking, and nothing is allocated
+from what a header merely claims (`verify_entry` streams the data section).
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
+import errno
 import hashlib
 import json
+import math
 import os
+import re
 import secrets
+import stat as stat_mod
 import struct
 import time
 from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import BinaryIO, ContextManager, Iterable, Protocol, Sequence
+from typing import BinaryIO, ContextManager, Iterable, Iterator, Protocol, Sequence
 
 import xxhash
 
@@ -55,8 +72,14 @@ ENTRY_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
 LOCK_NAME = ".kvctl-store.lock"  # serialises publish + eviction in bounded stores
 KEY_HEX_LEN = 32  # 128-bit keys
+TEMP_RAND_HEX_LEN = 8  # random part of a temp name
+# The one naming rule (with "regular file, by lstat": file_kind).
+ENTRY_NAME = re.compile(rf"[0-9a-f]{{{KEY_HEX_LEN}}}{re.escape(ENTRY_SUFFIX)}")
+TEMP_NAME = re.compile(rf"\.[0-9a-f]{{{KEY_HEX_LEN}}}\.[0-9]{{1,10}}\.[0-9a-f]{{{TEMP_RAND_HEX_LEN}}}"
+                       rf"{re.escape(TEMP_SUFFIX)}")
 # safetensors caps the header at 100 MB; ours is a few hundred bytes.
 MAX_HEADER_BYTES = 1 << 20
+READ_CHUNK_BYTES = 8 << 20  # verify_entry streams the data section in chunks of this size
 
 # safetensors dtype tag -> bytes per element
 DTYPE_SIZES = {
@@ -64,6 +87,9 @@ DTYPE_SIZES = {
     "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1,
 }
 TENSOR_ORDER = ("token_ids", "kv", "hidden")
+_COUNT = re.compile(r"0|[1-9][0-9]{0,17}")  # identity integers and num_tokens, as str(int) writes them
+_CREATED = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")  # Unix seconds, as the writer formats them
+_CHECKSUM = re.compile(r"xxh3_128:[0-9a-f]{32}")
 
 
 class StoreError(Exception):
@@ -71,12 +97,22 @@ class StoreError(Exception):
 
 
 class EntryCorrupt(StoreError):
-    """The file exists but is not a complete, valid entry (never served)."""
+    """The name of an entry holds no complete, valid entry (never served).
 
-    def __init__(self, path: Path | str, reason: str):
+    `stat` is what was found there (lstat of a non-regular file, fstat of an
+    opened one), when known: `remove_store_file` deletes only that same file,
+    and only if it is an entry by the naming rule.
+    """
+
+    def __init__(self, path: Path | str, reason: str, stat: os.stat_result | None = None):
         self.path = Path(path)
         self.reason = reason
+        self.stat = stat
         super().__init__(f"{self.path.name}: {reason}")
+
+
+class NameTaken(StoreError):
+    """An entry's name is held by something that is not an entry (a directory, FIFO, symlink): never replaced."""
 
 
 @dataclass(frozen=True)
@@ -97,20 +133,49 @@ class KVIdentity:
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @classmethod
-    def from_metadata(cls, meta: dict[str, str]) -> "KVIdentity":
-        try:
-            return cls(
-                model=meta["model"],
-                num_layers=int(meta["num_layers"]),
-                kv_parts=int(meta["kv_parts"]),
-                kv_heads=int(meta["kv_heads"]),
-                head_size=int(meta["head_size"]),
-                dtype=meta["dtype"],
-                tp_rank=int(meta["tp_rank"]),
-                tp_size=int(meta["tp_size"]),
-            )
-        except (KeyError, ValueError) as e:
-            raise ValueError(f"identity field missing or malformed: {e}") from e
+    def from_metadata(cls, meta: dict) -> "KVIdentity":
+        """The identity an entry's metadata claims. Raises ValueError for a missing or malformed field.
+
+        Every field is a string as the writer formats it: counts are plain
+        decimals (no sign, spaces or underscores), `dtype` a known tag.
+        """
+        model, dtype = meta.get("model"), meta.get("dtype")
+        if not isinstance(model, str):
+            raise ValueError(f"identity field model is {_brief(model)}, not a string")
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise ValueError(f"identity field dtype is {_brief(dtype)}, not one of {' '.join(DTYPE_SIZES)}")
+        counts = {name: _count(meta, name) for name in
+                  ("num_layers", "kv_parts", "kv_heads", "head_size", "tp_rank", "tp_size")}
+        if counts["kv_parts"] not in (1, 2):
+            raise ValueError(f"identity field kv_parts is {counts['kv_parts']}, not 1 or 2")
+        for name in ("num_layers", "kv_heads", "head_size", "tp_size"):
+            if counts[name] < 1:
+                raise ValueError(f"identity field {name} is 0")
+        if counts["tp_rank"] >= counts["tp_size"]:
+            raise ValueError(f"identity tp_rank {counts['tp_rank']} is not below tp_size {counts['tp_size']}")
+        return cls(model=model, dtype=dtype, **counts)
+
+
+def _count(meta: dict, name: str) -> int:
+    value = meta.get(name)
+    if not isinstance(value, str) or not _COUNT.fullmatch(value):
+        raise ValueError(f"identity field {name} is {_brief(value)}, not a decimal count")
+    return int(value)
+
+
+def _brief(value: object) -> str:
+    """A short description of a header value for an error message (never recursive, never huge)."""
+    if value is None or isinstance(value, (bool, float)):
+        return repr(value)
+    if isinstance(value, int):
+        return repr(value) if abs(value) < 10 ** 18 else "a huge integer"
+    if isinstance(value, str):
+        return repr(value[:60]) + ("..." if len(value) > 60 else "")
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return f"an object of {len(value)} keys"
+    return type(value).__name__
 
 
 def token_bytes(token_ids: Sequence[int] | Iterable[int]) -> bytes:
@@ -128,11 +193,16 @@ def compute_key(identity: KVIdentity, token_ids: Sequence[int]) -> str:
     return key_from_token_bytes(identity, token_bytes(token_ids))
 
 
-def key_from_token_bytes(identity: KVIdentity, raw_tokens) -> str:
-    """compute_key for token ids already in their stored form (int64 LE bytes)."""
+def _key_hasher(identity: KVIdentity):
     h = hashlib.blake2b(digest_size=KEY_HEX_LEN // 2)
     h.update(identity.canonical())
     h.update(b"\0")
+    return h
+
+
+def key_from_token_bytes(identity: KVIdentity, raw_tokens) -> str:
+    """compute_key for token ids already in their stored form (int64 LE bytes)."""
+    h = _key_hasher(identity)
     h.update(raw_tokens)
     return h.hexdigest()
 
@@ -141,8 +211,137 @@ def entry_path(root: Path | str, key: str) -> Path:
     return Path(root) / f"{key}{ENTRY_SUFFIX}"
 
 
+# ---------------------------------------------------------------- what is what in a store
+
+def is_entry_name(name: str) -> bool:
+    """`name` has an entry's exact form: 32 lowercase hex digits + `.safetensors`."""
+    return ENTRY_NAME.fullmatch(name) is not None
+
+
 def is_temp_name(name: str) -> bool:
-    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+    """`name` has the exact form write_entry gives its temp files: `.<key>.<pid>.<8 hex>.tmp`."""
+    return TEMP_NAME.fullmatch(name) is not None
+
+
+class FileKind(enum.Enum):
+    ENTRY = "entry"  # an entry name holding a regular file
+    TEMP = "temp"  # a temp name holding a regular file (a write in progress, or a killed writer's)
+    LOCK = "lock"  # the bounded store's lock file
+    FOREIGN = "foreign"  # anything else: not ours, never touched
+
+
+def file_kind(name: str, st: os.stat_result) -> FileKind:
+    """The one rule for what a name in a store directory is. `st` must come from lstat."""
+    if stat_mod.S_ISREG(st.st_mode):
+        if is_entry_name(name):
+            return FileKind.ENTRY
+        if is_temp_name(name):
+            return FileKind.TEMP
+        if name == LOCK_NAME:
+            return FileKind.LOCK
+    return FileKind.FOREIGN
+
+
+@dataclass(frozen=True)
+class StoreFile:
+    """One name in a store directory, what it is, and its lstat when it was listed."""
+
+    path: Path
+    kind: FileKind
+    stat: os.stat_result
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def list_store(root: Path | str) -> list[StoreFile]:
+    """Every name in the store directory with its kind, sorted by name (lstat only, nothing opened).
+
+    Raises OSError (FileNotFoundError, NotADirectoryError, PermissionError) when
+    `root` cannot be listed; a name that disappears meanwhile is left out.
+    """
+    found = []
+    with os.scandir(root) as it:
+        for item in it:
+            try:
+                st = item.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue  # evicted or replaced while we looked
+            found.append(StoreFile(Path(item.path), file_kind(item.name, st), st))
+    found.sort(key=lambda f: f.name)
+    return found
+
+
+def remove_store_file(found: StoreFile, *, unchanged: bool = False) -> bool:
+    """Delete an entry or temp file, only if its name still holds that same file. The only deleter.
+
+    Refuses (returns False) foreign files and the lock, a name that now holds
+    anything but a regular file, another file than the one found (other inode;
+    with `unchanged`, also another size or mtime: a producer rewrote it), or
+    nothing. Returns True when it removed the file. Raises OSError when the
+    unlink itself fails (permissions, a read-only mount).
+    """
+    if found.kind not in (FileKind.ENTRY, FileKind.TEMP):
+        return False
+    try:
+        now = os.lstat(found.path)
+    except FileNotFoundError:
+        return False
+    if file_kind(found.name, now) is not found.kind:
+        return False
+    same = (now.st_dev, now.st_ino) == (found.stat.st_dev, found.stat.st_ino)
+    if not same or (unchanged and (now.st_size, now.st_mtime_ns) != (found.stat.st_size, found.stat.st_mtime_ns)):
+        return False
+    try:
+        os.unlink(found.path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _what_is(st: os.stat_result) -> str:
+    mode = st.st_mode
+    for test, name in ((stat_mod.S_ISDIR, "a directory"), (stat_mod.S_ISLNK, "a symbolic link"),
+                       (stat_mod.S_ISFIFO, "a FIFO"), (stat_mod.S_ISSOCK, "a socket"),
+                       (stat_mod.S_ISCHR, "a character device"), (stat_mod.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+@contextlib.contextmanager
+def open_entry(path: Path | str) -> Iterator[tuple[BinaryIO, os.stat_result]]:
+    """Open the file under an entry name for reading; yields it and its fstat.
+
+    Never follows a symlink, never blocks (a FIFO), never opens anything that
+    `lstat` does not show as a regular file. Raises FileNotFoundError (a
+    miss), EntryCorrupt when the name holds something else, OSError when the
+    file cannot be opened (permissions). An EntryCorrupt raised inside the
+    `with` block gets the opened file's stat attached.
+    """
+    path = Path(path)
+    st = os.lstat(path)
+    if not stat_mod.S_ISREG(st.st_mode):
+        raise EntryCorrupt(path, f"{_what_is(st)}, not a regular file", stat=st)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink / socket since the lstat
+            raise EntryCorrupt(path, "not a regular file") from None
+        raise
+    f = os.fdopen(fd, "rb")
+    try:
+        st = os.fstat(fd)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise EntryCorrupt(path, f"{_what_is(st)}, not a regular file", stat=st)
+        yield f, st
+    except EntryCorrupt as e:
+        if e.stat is None:
+            e.stat = st
+        raise
+    finally:
+        f.close()
 
 
 def checksum(buffers: Iterable) -> str:
@@ -152,6 +351,8 @@ def checksum(buffers: Iterable) -> str:
         h.update(b)
     return "xxh3_128:" + h.hexdigest()
 
+
+# ---------------------------------------------------------------- writing
 
 @dataclass
 class TensorBlob:
@@ -203,11 +404,13 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
                 *, fsync: bool = True, guard: PublishGuard | None = None) -> Path:
     """Publish an entry atomically; returns its final path.
 
-    The entry is written and fsync'ed under a temp name first, then renamed.
-    A `guard` is told the entry's exact size before the write and is entered
-    around the rename (a bounded store locks the directory and makes room).
-    Raises OSError (ENOSPC, EIO, ...) or what the guard raises, after
-    removing the temp file; a partial entry is never visible under the final name.
+    The entry is written and fsync'ed under a fresh temp name first (created
+    exclusively, never through a symlink), then renamed. A `guard` is told the
+    entry's exact size before the write and is entered around the rename (a
+    bounded store locks the directory and makes room). Raises OSError (ENOSPC,
+    EIO, ...), NameTaken when the entry's name holds something that is not a
+    regular file (it is left alone), or what the guard raises, after removing
+    the temp file; a partial entry is never visible under the final name.
     """
     root = Path(root)
     ordered = [memoryview(blobs[n].data).cast("B") for n in TENSOR_ORDER]
@@ -216,9 +419,10 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
     size = 8 + len(header) + sum(buf.nbytes for buf in ordered)
     if guard is not None:
         guard.before_write(size)
-    tmp = root / f".{key}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+    tmp = root / f".{key}.{os.getpid()}.{secrets.token_hex(TEMP_RAND_HEX_LEN // 2)}{TEMP_SUFFIX}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "wb") as f:
+        with open(fd, "wb") as f:
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
             for buf in ordered:
@@ -227,6 +431,7 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
                 f.flush()
                 os.fsync(f.fileno())
         with guard.publishing(size) if guard is not None else contextlib.nullcontext():
+            _check_name_free(final)
             os.replace(tmp, final)
     except BaseException:
         try:
@@ -237,6 +442,16 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
     if fsync:
         _fsync_dir(root)
     return final
+
+
+def _check_name_free(final: Path) -> None:
+    """An entry may replace an entry (same key, same content); nothing else is replaced."""
+    try:
+        st = os.lstat(final)
+    except FileNotFoundError:
+        return
+    if not stat_mod.S_ISREG(st.st_mode):
+        raise NameTaken(f"{final.name} is {_what_is(st)}, not an entry: left alone, entry not published")
 
 
 def _fsync_dir(root: Path) -> None:
@@ -253,19 +468,24 @@ def _fsync_dir(root: Path) -> None:
         os.close(fd)
 
 
+# ---------------------------------------------------------------- reading
+
 @dataclass
 class EntryHeader:
-    """A parsed entry header: where each tensor lies and what the entry claims."""
+    """A parsed, checked entry header: where each tensor lies and what the entry claims.
+
+    Only `parse_header` builds one; every field has been checked (types,
+    spans, shapes against the identity), so using it cannot raise.
+    """
 
     path: Path
     header_len: int
-    tensors: dict[str, dict]
+    tensors: dict[str, dict]  # the three tensor records, by name
     metadata: dict[str, str]
     file_size: int
-    identity: KVIdentity = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.identity = KVIdentity.from_metadata(self.metadata)
+    identity: KVIdentity
+    num_tokens: int
+    created: float
 
     @property
     def data_start(self) -> int:
@@ -276,124 +496,288 @@ class EntryHeader:
         return self.file_size - self.data_start
 
     @property
-    def num_tokens(self) -> int:
-        return int(self.metadata["num_tokens"])
-
-    @property
-    def created(self) -> float:
-        return float(self.metadata.get("created", "0"))
-
-    @property
     def checksum(self) -> str:
         return self.metadata["checksum"]
 
+    @property
+    def hidden_tokens(self) -> int:
+        return self.tensors["hidden"]["shape"][0]
+
     def span(self, name: str) -> tuple[int, int]:
         begin, end = self.tensors[name]["data_offsets"]
-        return int(begin), int(end)
+        return begin, end
 
 
 def parse_header(path: Path | str, f: BinaryIO | None = None) -> EntryHeader:
-    """Read and check an entry's header (not its data). Raises EntryCorrupt."""
+    """Read and check an entry's header (rules 1-4 and 10 of the spec), not its data.
+
+    `f` is the open entry (from `open_entry`), read from its start. Raises
+    FileNotFoundError (a miss), EntryCorrupt (anything wrong, whatever the
+    header holds), OSError (the file cannot be read).
+    """
     path = Path(path)
-    own = f is None
-    if own:
-        f = open(path, "rb")
-    try:
-        size = os.fstat(f.fileno()).st_size
-        head = f.read(8)
-        if len(head) < 8:
-            raise EntryCorrupt(path, f"file is {size} bytes, shorter than a safetensors header")
-        (hlen,) = struct.unpack("<Q", head)
-        if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
-            raise EntryCorrupt(path, f"header length {hlen} does not fit a {size}-byte file")
-        raw = f.read(hlen)
-        if len(raw) != hlen:
-            raise EntryCorrupt(path, f"short header read: {len(raw)} of {hlen} bytes")
-    finally:
-        if own:
-            f.close()
+    if f is None:
+        with open_entry(path) as (opened, _):
+            return parse_header(path, opened)
+    size = os.fstat(f.fileno()).st_size
+    head = f.read(8)
+    if len(head) < 8:
+        raise EntryCorrupt(path, f"file is {size} bytes, shorter than a safetensors header")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise EntryCorrupt(path, f"header length {hlen} does not fit a {size}-byte file")
+    raw = f.read(hlen)
+    if len(raw) != hlen:
+        raise EntryCorrupt(path, f"short header read: {len(raw)} of {hlen} bytes")
     try:
         doc = json.loads(raw)
-    except ValueError as e:
-        raise EntryCorrupt(path, f"header is not JSON: {e}") from None
+    except ValueError as e:  # also bad UTF-8, and integers too long to convert
+        raise EntryCorrupt(path, f"header is not JSON: {str(e)[:200]}") from None
+    except RecursionError:
+        raise EntryCorrupt(path, "header JSON is nested too deeply") from None
     if not isinstance(doc, dict):
-        raise EntryCorrupt(path, "header is not a JSON object")
-    meta = doc.pop("__metadata__", None) or {}
+        raise EntryCorrupt(path, f"header is {_brief(doc)}, not a JSON object")
+    meta = doc.get("__metadata__")
+    if meta is None:
+        meta = {}
     if not isinstance(meta, dict):
-        raise EntryCorrupt(path, "__metadata__ is not a JSON object")
+        raise EntryCorrupt(path, f"__metadata__ is {_brief(meta)}, not a JSON object")
     if meta.get("format") != FORMAT_NAME:
-        raise EntryCorrupt(path, f"not a {FORMAT_NAME} entry (format={meta.get('format')!r})")
+        raise EntryCorrupt(path, f"not a {FORMAT_NAME} entry (format={_brief(meta.get('format'))})")
     if meta.get("version") != str(FORMAT_VERSION):
-        raise EntryCorrupt(path, f"format version {meta.get('version')!r}, this reader knows {FORMAT_VERSION}")
+        raise EntryCorrupt(path, f"format version {_brief(meta.get('version'))}, this reader knows {FORMAT_VERSION}")
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise EntryCorrupt(path, f"metadata {_brief(key)} is {_brief(value)}; metadata holds strings only")
     missing = [n for n in TENSOR_ORDER if n not in doc]
     if missing:
         raise EntryCorrupt(path, f"missing tensors: {', '.join(missing)}")
-    _check_records(path, doc, meta)
+    tensors = {n: doc[n] for n in TENSOR_ORDER}
+    _check_records(path, tensors)
     try:
-        entry = EntryHeader(path=path, header_len=hlen, tensors=doc, metadata=meta, file_size=size)
+        identity = KVIdentity.from_metadata(meta)
     except ValueError as e:
         raise EntryCorrupt(path, str(e)) from None
-    end = max(entry.span(n)[1] for n in TENSOR_ORDER)
+    num_tokens, created = _check_metadata(path, meta)
+    _check_shapes(path, tensors, identity, num_tokens)
+    entry = EntryHeader(path=path, header_len=hlen, tensors=tensors, metadata=meta, file_size=size,
+                        identity=identity, num_tokens=num_tokens, created=created)
+    end = entry.span(TENSOR_ORDER[-1])[1]
     if end != entry.data_len:
         raise EntryCorrupt(path, f"data section is {entry.data_len} bytes, header describes {end}")
     return entry
 
 
-def _check_records(path: Path, doc: dict, meta: dict) -> None:
-    """Every field the readers index is there with the right type (else EntryCorrupt).
-
-    A damaged header must read as corrupt, never as a KeyError or TypeError
-    in the middle of a request.
-    """
-    for key in ("num_tokens", "checksum", "created"):
-        if not isinstance(meta.get(key, "0"), str):
-            raise EntryCorrupt(path, f"metadata {key} is not a string")
-    if "checksum" not in meta or "num_tokens" not in meta:
-        raise EntryCorrupt(path, "metadata lacks num_tokens or checksum")
-    try:
-        int(meta["num_tokens"]), float(meta.get("created", "0"))
-    except ValueError:
-        raise EntryCorrupt(path, "metadata num_tokens or created is not a number") from None
+def _check_records(path: Path, tensors: dict) -> None:
+    """Each tensor record has a known dtype, a shape of counts and the next span of the data section."""
     offset = 0
     for name in TENSOR_ORDER:
-        rec = doc[name]
-        shape = rec.get("shape") if isinstance(rec, dict) else None
-        span = rec.get("data_offsets") if isinstance(rec, dict) else None
-        if (not isinstance(rec, dict) or rec.get("dtype") not in DTYPE_SIZES
-                or not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape)
-                or not isinstance(span, list) or len(span) != 2 or not all(type(o) is int for o in span)):
-            raise EntryCorrupt(path, f"tensor {name}: malformed record {rec!r:.120}")
-        nbytes = DTYPE_SIZES[rec["dtype"]]
-        for dim in shape:
-            nbytes *= dim
+        rec = tensors[name]
+        if not isinstance(rec, dict):
+            raise EntryCorrupt(path, f"tensor {name}: record is {_brief(rec)}, not a JSON object")
+        dtype, shape, span = rec.get("dtype"), rec.get("shape"), rec.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+            raise EntryCorrupt(path, f"tensor {name}: dtype is {_brief(dtype)}, not a safetensors dtype tag")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise EntryCorrupt(path, f"tensor {name}: shape is {_brief(shape)}, not a list of counts")
+        if (not isinstance(span, list) or len(span) != 2
+                or not all(type(o) is int for o in span)):
+            raise EntryCorrupt(path, f"tensor {name}: data_offsets is {_brief(span)}, not two integers")
+        nbytes = DTYPE_SIZES[dtype] * math.prod(shape)
         if span != [offset, offset + nbytes]:
-            raise EntryCorrupt(path, f"tensor {name}: data_offsets {span}, expected {[offset, offset + nbytes]}")
+            raise EntryCorrupt(path, f"tensor {name}: data_offsets [{_brief(span[0])}, {_brief(span[1])}], "
+                                     f"expected [{offset}, {offset + nbytes}]")
         offset += nbytes
 
 
-def read_entry(path: Path | str, into=None) -> tuple[EntryHeader, memoryview]:
-    """Read a whole entry and check its checksum and key.
+def _check_metadata(path: Path, meta: dict) -> tuple[int, float]:
+    """num_tokens, checksum and created are there and well-formed; returns (num_tokens, created)."""
+    num_tokens, check, created = meta.get("num_tokens"), meta.get("checksum"), meta.get("created", "0")
+    if num_tokens is None or check is None:
+        raise EntryCorrupt(path, "metadata lacks num_tokens or checksum")
+    if not _COUNT.fullmatch(num_tokens):
+        raise EntryCorrupt(path, f"metadata num_tokens is {_brief(num_tokens)}, not a decimal count")
+    if not _CHECKSUM.fullmatch(check):
+        raise EntryCorrupt(path, f"metadata checksum is {_brief(check)}, not xxh3_128:<32 hex digits>")
+    if not _CREATED.fullmatch(created):
+        raise EntryCorrupt(path, f"metadata created is {_brief(created)}, not Unix seconds")
+    return int(num_tokens), float(created)
 
-    `into(nbytes)` may return a writable buffer to read the data section into
-    (the torch store passes a uint8 tensor's memory, avoiding a copy).
-    Raises FileNotFoundError for a miss, EntryCorrupt for anything invalid.
+
+def _check_shapes(path: Path, tensors: dict, identity: KVIdentity, num_tokens: int) -> None:
+    """Rule 10: the tensors are what the identity and num_tokens say (a crafted kv never reaches a cache)."""
+    if num_tokens <= 0:
+        raise EntryCorrupt(path, f"num_tokens is {num_tokens}")
+    expected = {
+        "token_ids": ("I64", [num_tokens]),
+        "kv": (identity.dtype, [identity.num_layers, identity.kv_parts, num_tokens, identity.kv_heads,
+                                identity.head_size]),
+    }
+    for name, (dtype, shape) in expected.items():
+        rec = tensors[name]
+        if rec["dtype"] != dtype or rec["shape"] != shape:
+            raise EntryCorrupt(path, f"tensor {name} is {rec['dtype']} {_shape(rec['shape'])}, "
+                                     f"the header's identity says {dtype} {_shape(shape)}")
+    hidden = tensors["hidden"]["shape"]
+    if len(hidden) != 2 or not 1 <= hidden[0] <= num_tokens:
+        raise EntryCorrupt(path, f"tensor hidden has shape {_shape(hidden)}, want [1..{num_tokens}, hidden_size]")
+
+
+def _shape(shape: list) -> str:
+    return f"[{', '.join(map(str, shape[:8]))}{', ...' if len(shape) > 8 else ''}]"
+
+
+def read_data(path: Path | str, f: BinaryIO, header: EntryHeader, into=None) -> memoryview:
+    """Read an entry's whole data section (after `parse_header` on the same `f`); check checksum and key.
+
+    `into(nbytes)` may return a writable buffer to read into (the torch store
+    passes a uint8 tensor's memory, avoiding a copy); the caller checks that
+    the header's size is what it expects before calling this. Raises
+    EntryCorrupt (short read, checksum, key), OSError.
     """
     path = Path(path)
-    with open(path, "rb") as f:
-        header = parse_header(path, f)
-        n = header.data_len
-        buf = into(n) if into is not None else bytearray(n)
-        view = memoryview(buf).cast("B")
-        got = f.readinto(view)
-        if got != n:
-            raise EntryCorrupt(path, f"short read: {got} of {n} data bytes")
+    n = header.data_len
+    buf = into(n) if into is not None else bytearray(n)
+    view = memoryview(buf).cast("B")
+    got = _read_into(f, view)
+    if got != n:
+        raise EntryCorrupt(path, f"short read: {got} of {n} data bytes")
     if checksum([view]) != header.checksum:
         raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
     begin, end = header.span("token_ids")
     expected_key = key_from_token_bytes(header.identity, view[begin:end])
     if path.name != f"{expected_key}{ENTRY_SUFFIX}":
         raise EntryCorrupt(path, f"content hashes to key {expected_key}, not the file name")
-    return header, view
+    return view
+
+
+def _read_into(f: BinaryIO, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def read_entry(path: Path | str, into=None) -> tuple[EntryHeader, memoryview]:
+    """Read a whole entry and check it (rules 1-7, 10). Holds the whole data section in memory.
+
+    Raises FileNotFoundError for a miss, EntryCorrupt for anything invalid,
+    OSError when it cannot be read. Checking a store without trusting sizes:
+    `verify_entry`.
+    """
+    path = Path(path)
+    with open_entry(path) as (f, _):
+        header = parse_header(path, f)
+        return header, read_data(path, f, header, into)
+
+
+def verify_entry(path: Path | str) -> EntryHeader:
+    """Check an entry completely (rules 1-7, 10, 11) in bounded memory; returns its header.
+
+    Raises FileNotFoundError, EntryCorrupt, OSError.
+    """
+    path = Path(path)
+    with open_entry(path) as (f, _):
+        header = parse_header(path, f)
+        verify_data(path, f, header)
+    return header
+
+
+def verify_data(path: Path | str, f: BinaryIO, header: EntryHeader) -> None:
+    """Check an entry's data section (after `parse_header` on the same `f`): rules 5-7 and 11.
+
+    The data is streamed in READ_CHUNK_BYTES chunks, never allocated whole,
+    whatever size the header claims; holes of a sparse file are hashed as the
+    zeros they read as, without reading them. The key (from the token ids, at
+    the start of the data) is checked before the rest is read, so a renamed or
+    re-headered file fails fast. Raises EntryCorrupt, OSError.
+    """
+    path = Path(path)
+    _, tokens_end = header.span("token_ids")
+    data_hash, key_hash = xxhash.xxh3_128(), _key_hasher(header.identity)
+    negative, first_negative = 0, 0
+    pos, rest = 0, b""  # rest: the tail of a token id split across chunks
+    for chunk in _data_chunks(path, f, header.data_start, header.data_len, tokens_end):
+        data_hash.update(chunk)
+        if pos < tokens_end:
+            key_hash.update(chunk)
+            raw = rest + bytes(chunk) if rest else chunk
+            whole = len(raw) - len(raw) % 8
+            ids = array("q")  # token ids are int64 little-endian
+            ids.frombytes(raw[:whole])
+            rest = bytes(raw[whole:])
+            if struct.pack("=i", 1) != struct.pack("<i", 1):  # pragma: no cover - big endian
+                ids.byteswap()
+            if ids and min(ids) < 0:
+                if not negative:
+                    first_negative = next(t for t in ids if t < 0)
+                negative += sum(1 for t in ids if t < 0)
+        pos += len(chunk)
+        if pos == tokens_end and path.name != f"{key_hash.hexdigest()}{ENTRY_SUFFIX}":
+            raise EntryCorrupt(path, f"content hashes to key {key_hash.hexdigest()}, not the file name")
+    if "xxh3_128:" + data_hash.hexdigest() != header.checksum:
+        raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
+    if negative:
+        raise EntryCorrupt(path, f"{negative} negative token ids (first: {first_negative})")
+
+
+def _data_chunks(path: Path, f: BinaryIO, start: int, total: int, boundary: int) -> Iterator[memoryview]:
+    """Bytes [start, start + total) of `f` in chunks of at most READ_CHUNK_BYTES, none crossing `boundary`.
+
+    A hole (SEEK_DATA/SEEK_HOLE, where the filesystem has them) is yielded
+    from a zero buffer instead of being read. Each chunk is valid until the
+    next one is asked for. Raises EntryCorrupt on a short read.
+    """
+    fd = f.fileno()
+    size = min(READ_CHUNK_BYTES, total)
+    buf, zeros = bytearray(size), None
+    pos, hole_end, data_end = 0, 0, 0  # [pos, hole_end) reads as zeros, [hole_end, data_end) is data
+    while pos < total:
+        if pos >= data_end:
+            hole_end, data_end = _next_data(fd, start, pos, total)
+        limit = boundary if pos < boundary else total
+        if pos < hole_end:
+            n = min(size, hole_end - pos, limit - pos)
+            if zeros is None:
+                zeros = bytes(size)
+            yield memoryview(zeros)[:n]
+        else:
+            n = min(size, data_end - pos, limit - pos)
+            view = memoryview(buf)[:n]
+            got = os.preadv(fd, [view], start + pos)
+            while 0 < got < n:  # a regular file returns less only at its end (or on a signal)
+                more = os.preadv(fd, [view[got:]], start + pos + got)
+                if not more:
+                    break
+                got += more
+            if got != n:
+                raise EntryCorrupt(path, f"short read: {pos + got} of {total} data bytes")
+            yield view
+        pos += n
+
+
+def _next_data(fd: int, start: int, pos: int, total: int) -> tuple[int, int]:
+    """(where the data after the hole at `pos` begins, where that data ends), relative to `start`.
+
+    No hole at `pos`: (pos, end of its data). Where the filesystem does not
+    report holes: (pos, total), everything is read.
+    """
+    try:
+        data = os.lseek(fd, start + pos, os.SEEK_DATA) - start
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # no data up to the end of the file: a hole, or a file cut short
+            return total, total
+        return pos, total  # EINVAL: the filesystem has no SEEK_DATA
+    if data >= total:
+        return total, total
+    try:
+        hole = os.lseek(fd, start + data, os.SEEK_HOLE) - start
+    except OSError:
+        hole = total
+    return data, max(data + 1, min(hole, total))
 
 
 def token_ids_of(header: EntryHeader, data: memoryview) -> list[int]:
@@ -407,35 +791,35 @@ def token_ids_of(header: EntryHeader, data: memoryview) -> list[int]:
 
 @dataclass
 class ScanResult:
-    """Everything found in a store directory, sorted into what it is."""
+    """Everything found in a store directory, sorted into what it is (by `file_kind`)."""
 
     root: Path
     entries: list[EntryHeader] = field(default_factory=list)
     corrupt: list[EntryCorrupt] = field(default_factory=list)
+    unreadable: list[Path] = field(default_factory=list)  # entries this process may not read
     temp_files: list[Path] = field(default_factory=list)
     foreign: list[Path] = field(default_factory=list)
 
 
 def scan_store(root: Path | str) -> ScanResult:
-    """Classify every file in a store directory by its header (data not read).
+    """Classify every name in a store directory; entries by their header (data not read).
 
-    Raises FileNotFoundError / NotADirectoryError for a bad root.
+    Raises OSError (FileNotFoundError / NotADirectoryError, ...) for a bad root.
     """
     root = Path(root)
     result = ScanResult(root=root)
-    for item in sorted(root.iterdir()):
-        name = item.name
-        if name == LOCK_NAME:
-            continue
-        if is_temp_name(name):
-            result.temp_files.append(item)
-        elif name.endswith(ENTRY_SUFFIX) and len(name) == KEY_HEX_LEN + len(ENTRY_SUFFIX):
+    for found in list_store(root):
+        if found.kind is FileKind.TEMP:
+            result.temp_files.append(found.path)
+        elif found.kind is FileKind.FOREIGN:
+            result.foreign.append(found.path)
+        elif found.kind is FileKind.ENTRY:
             try:
-                result.entries.append(parse_header(item))
+                result.entries.append(parse_header(found.path))
             except EntryCorrupt as e:
                 result.corrupt.append(e)
             except FileNotFoundError:
                 continue  # evicted or replaced while we looked
-        else:
-            result.foreign.append(item)
+            except OSError:
+                result.unreadable.append(found.path)
     return result

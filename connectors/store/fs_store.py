@@ -111,45 +111,67 @@ class FSStore:
         """An entry with a sound header is published under `key`; it counts as used (LRU).
 
         Only the header is read: a producer asks this on every repeated prompt.
-        An entry whose data is damaged is found (and deleted) by the consumer.
+        Never raises: a damaged or foreign file under the name, or one that
+        cannot be read, is "no entry" (the producer publishes it again; a
+        damaged data section is found and deleted by the consumer).
         """
         path = fmt.entry_path(self.root, key)
         try:
-            fmt.parse_header(path)
+            with fmt.open_entry(path) as (f, _):
+                fmt.parse_header(path, f)
+                _touch(f)
         except (OSError, fmt.EntryCorrupt):
             return False
-        _touch(path)
         return True
+
+    def remove_corrupt(self, error: fmt.EntryCorrupt) -> bool:
+        """Delete the entry `error` was raised for, so the producer publishes it again.
+
+        Only the file that was found corrupt, and only if it is an entry by the
+        format's rule (a FIFO, symlink or directory under an entry's name is
+        left alone, as is an entry republished since). Returns whether it was
+        removed. Raises OSError when the unlink fails (a read-only mount).
+        """
+        if error.stat is None:
+            return False
+        found = fmt.StoreFile(error.path, fmt.file_kind(error.path.name, error.stat), error.stat)
+        return fmt.remove_store_file(found, unchanged=True)
 
     def _write(self, key: str, identity: fmt.KVIdentity, blobs: dict[str, fmt.TensorBlob]) -> Path:
         return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard)
 
     def load(self, identity: fmt.KVIdentity, token_ids: Sequence[int],
-             device: torch.device | str = "cpu") -> LoadedEntry:
+             device: torch.device | str = "cpu", *, hidden_size: int | None = None,
+             hidden_dtype: torch.dtype | None = None) -> LoadedEntry:
         """Load the entry for exactly these tokens onto `device`.
 
-        Raises FileNotFoundError (miss), store_format.EntryCorrupt (truncated,
-        checksum, foreign, wrong key) or TokenMismatch (hash collision or
-        tampering: stored tokens differ from the prompt).
+        Before anything past the header is read or allocated, the entry must
+        be exactly what this identity and prompt need: the identity, the
+        number of tokens, kv's dtype and shape, and (when given) the hidden
+        state's size and dtype. So a crafted or damaged header can neither
+        reach the caller's cache with another shape nor make this allocate
+        what it claims.
+
+        Raises FileNotFoundError (miss); store_format.EntryCorrupt for every
+        malformed entry (damaged, truncated, checksum, foreign, wrong key,
+        wrong shapes or dtypes, not a regular file: `remove_corrupt` deletes
+        it if it is ours); TokenMismatch (hash collision or tampering: stored
+        tokens differ from the prompt); OSError when the file cannot be read
+        (permissions, EIO).
         """
         start = time.perf_counter()
         raw_tokens = fmt.token_bytes(token_ids)
         key = fmt.key_from_token_bytes(identity, raw_tokens)
         path = fmt.entry_path(self.root, key)
-        holder: list[torch.Tensor] = []
-
-        def into(nbytes: int):
-            holder.append(torch.empty(nbytes, dtype=torch.uint8))
-            return holder[0].numpy()
-
-        header, view = fmt.read_entry(path, into=into)
-        if header.identity != identity:
-            raise fmt.EntryCorrupt(path, f"identity {header.identity} != expected {identity}")
-        begin, end = header.span("token_ids")
-        if bytes(view[begin:end]) != raw_tokens:
-            raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
-        _touch(path)  # a hit makes the entry recent for LRU eviction
-        data = holder[0]
+        with fmt.open_entry(path) as (f, _):
+            header = fmt.parse_header(path, f)
+            _check_fits(header, identity, len(raw_tokens) // 8, hidden_size, hidden_dtype)
+            data = torch.empty(header.data_len, dtype=torch.uint8)
+            view = fmt.read_data(path, f, header, into=lambda nbytes: data.numpy())
+            begin, end = header.span("token_ids")
+            if bytes(view[begin:end]) != raw_tokens:
+                raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
+            _touch(f)  # a hit makes the entry recent for LRU eviction
         kv = self._tensor(header, data, "kv").to(device, non_blocking=True)
         hidden = self._tensor(header, data, "hidden").to(device, non_blocking=True)
         return LoadedEntry(key, kv, hidden, header.data_len, time.perf_counter() - start)
@@ -162,8 +184,33 @@ class FSStore:
         return data[begin:end].view(dtype).view(info["shape"])
 
 
-def _touch(path: Path) -> None:
+def _check_fits(header: fmt.EntryHeader, identity: fmt.KVIdentity, num_tokens: int,
+                hidden_size: int | None, hidden_dtype: torch.dtype | None) -> None:
+    """The entry is exactly what this reader needs, else EntryCorrupt (checked from the header alone)."""
+    path = header.path
+    if header.identity != identity:
+        raise fmt.EntryCorrupt(path, f"identity {header.identity} != expected {identity}")
+    if header.num_tokens != num_tokens:
+        raise fmt.EntryCorrupt(path, f"holds {header.num_tokens} tokens, the prompt has {num_tokens}")
+    kv = header.tensors["kv"]
+    want = [identity.num_layers, identity.kv_parts, num_tokens, identity.kv_heads, identity.head_size]
+    if kv["dtype"] != identity.dtype or kv["shape"] != want:
+        raise fmt.EntryCorrupt(path, f"kv is {kv['dtype']} {kv['shape']}, this reader needs "
+                                     f"{identity.dtype} {want}")
+    hidden = header.tensors["hidden"]
+    tag = hidden["dtype"]
+    if tag not in TAG_TO_TORCH:
+        raise fmt.EntryCorrupt(path, f"hidden dtype {tag} has no torch dtype")
+    if hidden_dtype is not None and TAG_TO_TORCH[tag] != hidden_dtype:
+        raise fmt.EntryCorrupt(path, f"hidden is {tag}, this reader needs {dtype_tag(hidden_dtype)}")
+    if hidden_size is not None and hidden["shape"][1] != hidden_size:
+        raise fmt.EntryCorrupt(path, f"hidden has {hidden['shape'][1]} columns, this model's hidden size "
+                                     f"is {hidden_size}")
+
+
+def _touch(f) -> None:
+    """Make the entry open as `f` recent (its mtime is the LRU clock): that file, never a symlink's target."""
     try:
-        os.utime(path)
+        os.utime(f.fileno())
     except OSError:
-        pass  # evicted meanwhile, or a read-only store: recency is best effort
+        pass  # a read-only store or another user's entry: recency is best effort
