@@ -16,7 +16,7 @@ from kvctl.store.inspect import (
     resolve_store_dir,
 )
 from kvctl.views.output import Output
-from kvctl.views.store import render_fix, render_prune, render_store_report
+from kvctl.views.store import render_check_verdict, render_fix, render_prune, render_store_report
 
 store_app = typer.Typer(help="Check and maintain the FS KV store.", no_args_is_help=True)
 
@@ -39,7 +39,7 @@ def inspect_store_cmd(
 ) -> None:
     """List the store's entries (key, tokens, shape, dtype, bytes, created) and stray files.
 
-    Exits 1 with --verify when any entry is invalid.
+    Exits 1 with --verify when any entry is invalid or could not be read.
     """
     out = Output(json_mode=json_out)
     report = inspect_store(resolve_store_dir(directory, name), verify=verify)
@@ -47,7 +47,7 @@ def inspect_store_cmd(
         out.emit_json(report.to_json())
     else:
         render_store_report(report, out)
-    if verify and report.invalid:
+    if verify and (report.invalid or report.unchecked):
         raise typer.Exit(int(ExitCode.CHECK_FAILED))
 
 
@@ -55,32 +55,29 @@ def check_cmd(
     directory: Optional[str] = DIR_ARG,
     name: Optional[str] = NAME_OPT,
     fix: bool = typer.Option(False, "--fix", help="Remove stale temp files and invalid entries "
-                                                  "(never foreign files)."),
+                                                  "(never foreign files, never entries it cannot read)."),
     grace: float = typer.Option(TEMP_GRACE_S, "--grace", min=0,
                                 help="Seconds a temp file may be a live write before --fix removes it."),
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Verify every entry and flag temp leftovers and foreign files.
+    """Verify every entry and flag temp leftovers, unreadable entries and foreign files.
 
-    Exits 1 when invalid entries or temp files remain (after --fix, if given).
+    Exits 1 when invalid or unreadable entries or temp files remain (after --fix, if given).
     """
     out = Output(json_mode=json_out)
     root = resolve_store_dir(directory, name)
     report = inspect_store(root, verify=True)
+    if not json_out:
+        render_store_report(report, out)  # shown before --fix removes anything
     fixed = fix_store(report, temp_grace_s=grace) if fix else None
     after = inspect_store(root, verify=True) if fixed and fixed.removed else report
     if json_out:
         out.emit_json({**after.to_json(), "fix": fixed.to_json() if fixed else None,
                        "passed": after.problems == 0})
     else:
-        render_store_report(report, out)
         if fixed:
             render_fix(fixed, out)
-        verdict = "[green]store OK[/green]" if after.problems == 0 else (
-            f"[red]{len(after.invalid)} invalid entr{'y' if len(after.invalid) == 1 else 'ies'}, "
-            f"{len(after.temp_files)} temp file(s) remain[/red]"
-            + ("" if fix else " (kvctl store check --fix removes them)"))
-        out.stdout.print(verdict)
+        render_check_verdict(after, fix, out)
     if after.problems:
         raise typer.Exit(int(ExitCode.CHECK_FAILED))
 
@@ -118,8 +115,4 @@ def prune_cmd(
                        "freed_bytes": report.freed_bytes, "total_bytes": report.total_bytes})
     else:
         render_prune(report, out)
-
-
-# ---------------------------------------------------------------- rendering
-
 

@@ -1,8 +1,13 @@
-"""Store views: inspect-store's table, what `store check --fix` and `store prune` did."""
+"""Store views: inspect-store's table, what `store check --fix` and `store prune` did.
+
+Every name shown comes from a directory listing and may be anything (markup
+characters, bytes that are not UTF-8): `_name` makes it printable and inert.
+"""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from rich import box
 from rich.markup import escape
@@ -17,12 +22,21 @@ def _when(ts: float | None) -> str:
     """Time of day for today's entries, the date for older ones."""
     if not ts:
         return "-"
-    same_day = time.localtime(ts)[:3] == time.localtime()[:3]
-    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d", time.localtime(ts))
+    try:
+        same_day = time.localtime(ts)[:3] == time.localtime()[:3]
+        return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d", time.localtime(ts))
+    except (OverflowError, OSError, ValueError):
+        return "?"
+
+
+def _name(path: Path | str) -> str:
+    """A file name as rich may print it: undecodable bytes as \\xNN, markup escaped."""
+    text = str(path.name if isinstance(path, Path) else path)
+    return escape(text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
 
 
 def render_store_report(report: StoreReport, out: Output) -> None:
-    table = Table(title=escape(f"FS store {report.root}"), title_justify="left", box=box.SIMPLE_HEAD,
+    table = Table(title=f"FS store {_name(str(report.root))}", title_justify="left", box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False)
     right = {"justify": "right"}
     for col, kw in (("key", {"no_wrap": True}), ("tokens", right), ("layers", right), ("kv heads", right),
@@ -31,25 +45,28 @@ def render_store_report(report: StoreReport, out: Output) -> None:
         table.add_column(col, **kw)
     for e in report.entries:
         ident = e.identity
-        valid = {True: "[green]yes[/green]", False: "[red]NO[/red]", None: "[dim]unread[/dim]"}[e.valid]
+        valid = ("[yellow]unchecked[/yellow]" if e.unchecked else
+                 {True: "[green]yes[/green]", False: "[red]NO[/red]", None: "[dim]unread[/dim]"}[e.valid])
         table.add_row(e.key[:10] + "…", str(e.num_tokens) if ident else "?",
                       str(ident.num_layers) if ident else "?", str(ident.kv_heads) if ident else "?",
-                      str(ident.head_size) if ident else "?", ident.dtype if ident else "?",
+                      str(ident.head_size) if ident else "?", escape(str(ident.dtype)) if ident else "?",
                       human_size(e.bytes), _when(e.created), valid)
     out.stdout.print(table)
     for e in report.invalid:
-        out.stdout.print(f"[red]invalid[/red] {escape(e.path.name)}: {escape(e.error or '')}", highlight=False)
+        out.stdout.print(f"[red]invalid[/red] {_name(e.path)}: {escape(e.error or '')}", highlight=False)
+    for e in report.unchecked:
+        out.stdout.print(f"[yellow]unchecked[/yellow] {_name(e.path)}: {escape(e.error or '')}", highlight=False)
     for t in report.temp_files:
-        out.stdout.print(f"[yellow]temp leftover[/yellow] {escape(t.path.name)} ({human_size(t.bytes)}, "
+        out.stdout.print(f"[yellow]temp leftover[/yellow] {_name(t.path)} ({human_size(t.bytes)}, "
                          f"{t.age_s:.0f}s old)", highlight=False)
     for f in report.foreign_files:
         kind = "foreign dir" if f.is_dir else "foreign file"
         size = "" if f.is_dir else f" ({human_size(f.bytes)})"
-        out.stdout.print(f"[yellow]{kind}[/yellow] {escape(f.path.name)}{size}",
-                         highlight=False)
+        out.stdout.print(f"[yellow]{kind}[/yellow] {_name(f.path)}{size}", highlight=False)
     valid = sum(1 for e in report.entries if e.valid)
-    checked = f", {valid} valid, {len(report.invalid)} invalid" if report.verified else (
-        f", {len(report.invalid)} invalid (add --verify to check data)")
+    unchecked = f", {len(report.unchecked)} unchecked" if report.unchecked else ""
+    checked = f", {valid} valid, {len(report.invalid)} invalid{unchecked}" if report.verified else (
+        f", {len(report.invalid)} invalid{unchecked} (add --verify to check data)")
     n = len(report.entries)
     out.stdout.print(f"{n} entr{'y' if n == 1 else 'ies'}, {human_size(report.total_bytes)}{checked}; "
                      f"{len(report.temp_files)} temp, {len(report.foreign_files)} foreign", highlight=False)
@@ -57,9 +74,22 @@ def render_store_report(report: StoreReport, out: Output) -> None:
 
 def render_fix(fixed: FixResult, out: Output) -> None:
     for path, reason in fixed.removed:
-        out.stdout.print(f"[green]removed[/green] {escape(path.name)}: {escape(reason)}", highlight=False)
+        out.stdout.print(f"[green]removed[/green] {_name(path)}: {escape(reason)}", highlight=False)
     for path, reason in fixed.kept:
-        out.stdout.print(f"[dim]kept[/dim] {escape(path.name)}: {escape(reason)}", highlight=False)
+        out.stdout.print(f"[dim]kept[/dim] {_name(path)}: {escape(reason)}", highlight=False)
+
+
+def render_check_verdict(report: StoreReport, fixed: bool, out: Output) -> None:
+    """The last line of `store check`: OK, or what remains wrong."""
+    if report.problems == 0:
+        out.stdout.print("[green]store OK[/green]")
+        return
+    n = len(report.invalid)
+    parts = [f"{n} invalid entr{'y' if n == 1 else 'ies'}", f"{len(report.temp_files)} temp file(s)"]
+    if report.unchecked:
+        parts.append(f"{len(report.unchecked)} unchecked (not readable by this user)")
+    hint = "" if fixed or not (report.invalid or report.temp_files) else " (kvctl store check --fix removes them)"
+    out.stdout.print(f"[red]{', '.join(parts)} remain[/red]{hint}")
 
 
 def render_prune(report: EvictionReport, out: Output) -> None:
