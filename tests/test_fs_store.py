@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
+import signal
 import time
 
 import pytest
@@ -152,3 +154,143 @@ def test_has_entry_reads_the_header_and_refreshes_recency(tmp_path):
     assert not store.has_entry(fmt.compute_key(IDENT, ids[:-1]))
     path.write_bytes(b"\0" * 16)  # a damaged header is not an entry
     assert not store.has_entry(key)
+
+
+# -- hostile entries on the torch side (issue 11, items 6-8) --
+
+SMALL = fmt.KVIdentity(model="m", num_layers=2, kv_parts=2, kv_heads=2, head_size=4, dtype="F32")
+
+
+def small_entry(root, tokens=(5, 6, 7)):
+    ids = list(tokens)
+    kv = torch.arange(2 * 2 * len(ids) * 2 * 4, dtype=torch.float32).view(2, 2, len(ids), 2, 4)
+    return ids, FSStore(root).save(SMALL, ids, kv, torch.ones(1, 16)).path
+
+
+def rewrite_header(path, change):
+    raw = path.read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + hlen])
+    change(header)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + hlen:])
+
+
+def test_crafted_kv_shape_is_corrupt_before_any_scatter(tmp_path):
+    """kv [1,2,6,2,4] where the identity says [2,2,3,2,4]: same bytes, key and checksum still match."""
+    ids, path = small_entry(tmp_path)
+    rewrite_header(path, lambda h: h["kv"].update(shape=[1, 2, 6, 2, 4]))
+    with pytest.raises(fmt.EntryCorrupt, match="identity says"):
+        FSStore(tmp_path).load(SMALL, ids)
+
+
+@pytest.mark.parametrize("change", [
+    lambda h: h["__metadata__"].update(model=None),
+    lambda h: h["__metadata__"].update(num_layers=["2"]),
+    lambda h: h["__metadata__"].update(dtype=["F32"]),
+    lambda h: h["kv"].update(dtype=["F32"]),
+    lambda h: h["hidden"].update(dtype="BOOL"),  # 1-byte elements: the spans no longer add up
+], ids=["model null", "num_layers list", "identity dtype list", "kv dtype list", "hidden BOOL"])
+def test_malformed_entry_is_entry_corrupt_on_both_sides(tmp_path, change):
+    """The consumer gets EntryCorrupt (a miss it removes), the producer's has_entry says no: never TypeError."""
+    ids, path = small_entry(tmp_path)
+    rewrite_header(path, change)
+    store = FSStore(tmp_path)
+    assert store.has_entry(fmt.compute_key(SMALL, ids)) is False
+    with pytest.raises(fmt.EntryCorrupt) as info:
+        store.load(SMALL, ids)
+    assert store.remove_corrupt(info.value) and not path.exists()
+
+
+def test_hidden_dtype_without_a_torch_dtype_is_corrupt(tmp_path):
+    """I16 [1, 32] spans what F32 [1, 16] did: a sound header, but no torch dtype to view it as."""
+    ids, path = small_entry(tmp_path)
+    rewrite_header(path, lambda h: h["hidden"].update(dtype="I16", shape=[1, 32]))
+    with pytest.raises(fmt.EntryCorrupt, match="no torch dtype"):
+        FSStore(tmp_path).load(SMALL, ids)
+
+
+def test_deeply_nested_header_is_corrupt(tmp_path):
+    ids, path = small_entry(tmp_path)
+    raw = path.read_bytes()
+    hlen = int.from_bytes(raw[:8], "little")
+    text = b'{"junk":' + b"[" * 100_000 + b"]" * 100_000 + b"," + raw[9:8 + hlen].rstrip()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + hlen:])
+    store = FSStore(tmp_path)
+    assert store.has_entry(fmt.compute_key(SMALL, ids)) is False
+    with pytest.raises(fmt.EntryCorrupt, match="nested too deeply"):
+        store.load(SMALL, ids)
+
+
+def test_hidden_size_and_dtype_are_checked_when_given(tmp_path):
+    ids, _ = small_entry(tmp_path)
+    store = FSStore(tmp_path)
+    assert store.load(SMALL, ids, hidden_size=16, hidden_dtype=torch.float32).hidden.shape == (1, 16)
+    with pytest.raises(fmt.EntryCorrupt, match="hidden size is 32"):
+        store.load(SMALL, ids, hidden_size=32)
+    with pytest.raises(fmt.EntryCorrupt, match="needs BF16"):
+        store.load(SMALL, ids, hidden_dtype=torch.bfloat16)
+
+
+def test_huge_hidden_claim_is_refused_before_allocating(tmp_path):
+    """A sparse file whose hidden tensor claims 1 TiB: refused from the header, nothing allocated."""
+    ids, path = small_entry(tmp_path)
+    width = (1 << 40) // 4
+
+    def claim(h):
+        begin = h["hidden"]["data_offsets"][0]
+        h["hidden"].update(shape=[1, width], data_offsets=[begin, begin + 4 * width])
+    rewrite_header(path, claim)
+    with open(path, "r+b") as f:
+        f.truncate(f.seek(0, os.SEEK_END) - 64 + 4 * width)
+    with pytest.raises(fmt.EntryCorrupt, match="hidden size is 16"):
+        FSStore(tmp_path).load(SMALL, ids, hidden_size=16)
+
+
+def _alarm(signum, frame):
+    raise TimeoutError("blocked")
+
+
+def test_fifo_at_an_entry_name_never_blocks(tmp_path):
+    ids = [1, 2, 3]
+    fifo = fmt.entry_path(tmp_path, fmt.compute_key(SMALL, ids))
+    os.mkfifo(fifo)
+    store = FSStore(tmp_path)
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(20)  # the old reader and has_entry blocked forever in open()
+    try:
+        assert store.has_entry(fmt.compute_key(SMALL, ids)) is False
+        with pytest.raises(fmt.EntryCorrupt, match="a FIFO") as info:
+            store.load(SMALL, ids)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert store.remove_corrupt(info.value) is False and fifo.exists()  # not an entry: never removed
+
+
+def test_symlink_at_an_entry_name_is_never_followed_or_touched(tmp_path):
+    ids, real = small_entry(tmp_path)
+    other = tmp_path / "b"
+    other.mkdir()
+    link = other / real.name
+    link.symlink_to(real)
+    os.utime(real, (1, 1))
+    store = FSStore(other)
+    assert store.has_entry(fmt.compute_key(SMALL, ids)) is False
+    with pytest.raises(fmt.EntryCorrupt, match="symbolic link") as info:
+        store.load(SMALL, ids)
+    assert store.remove_corrupt(info.value) is False and link.is_symlink()
+    assert real.stat().st_mtime == 1  # no utime through the link
+
+
+def test_remove_corrupt_spares_an_entry_republished_since(tmp_path):
+    ids, path = small_entry(tmp_path)
+    rewrite_header(path, lambda h: h["__metadata__"].update(model=None))
+    store = FSStore(tmp_path)
+    with pytest.raises(fmt.EntryCorrupt) as info:
+        store.load(SMALL, ids)
+    small_entry(tmp_path)  # the producer republishes (has_entry said no)
+    assert store.remove_corrupt(info.value) is False
+    assert store.load(SMALL, ids).kv.shape == (2, 2, 3, 2, 4)

@@ -70,6 +70,31 @@ def test_entry_larger_than_bound_is_not_published(tmp_path):
     assert [p.name for p in root.iterdir() if p.name != fmt.LOCK_NAME] == []
 
 
+def test_bounded_publish_evicts_only_entries(tmp_path):
+    """Item 4: a user's files, a directory named x.safetensors and a symlink are never evicted or counted."""
+    size = entry_size(tmp_path)
+    root = tmp_path / "store"
+    root.mkdir()
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(b"w" * 100)
+    users = [root / n for n in ("adapter_model.safetensors", "model.safetensors", "My Weights.safetensors")]
+    for path in users:
+        path.write_bytes(b"\0" * size)  # as big as an entry: counting them would evict more
+    (root / "x.safetensors").mkdir()
+    link = root / ("ab" * 16 + ".safetensors")
+    link.symlink_to(weights)
+    past = time.time() - 7200
+    for path in (*users, root / "x.safetensors", weights):
+        os.utime(path, (past, past))
+    os.utime(link, (past, past), follow_symlinks=False)
+    store = FSStore(root, max_bytes=3 * size, ttl_seconds=3600)
+    for seed in range(6):
+        store.save(IDENT, *entry(seed))
+    assert len(published_entries(root)) == 3
+    assert all(p.exists() and p.stat().st_mtime == past for p in users)
+    assert (root / "x.safetensors").is_dir() and link.is_symlink() and weights.stat().st_mtime == past
+
+
 def test_evict_prune_by_age_and_size(tmp_path):
     store = FSStore(tmp_path)
     paths = [store.save(IDENT, *entry(s)).path for s in range(4)]
