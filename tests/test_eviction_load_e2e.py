@@ -41,7 +41,8 @@ from connectors.store.eviction import published_entries, store_lock
 from kvctl.verify import markers
 from kvctl.client import user_messages
 from kvctl.verify.load_mode import ERROR_CHECK, generate_prompts, percentile, summarise
-from kvctl.verify.verifier import CheckResult, RequestReport, VerifyReport, transfer_bytes
+from kvctl.verify.checks import CheckResult, transfer_bytes
+from kvctl.verify.report import RequestReport, VerifyReport
 
 pytestmark = pytest.mark.xdist_group("vllm")
 e2e = pytest.mark.e2e

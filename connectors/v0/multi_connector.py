@@ -11,6 +11,9 @@ Fan-out rule: **receive from the first child that serves, send to all.**
 - send: every producer child in config order, each logged as
   ``sent to connector <Name>``; a child that raises is logged and the
   others still run, so one broken child never fails the request.
+- Which child sends, which receives and which is marked transfer is
+  `connectors.config.topology`'s rule (a child acts by its own ``kv_role``,
+  only on the sides its parent's role runs), read from there, never here.
 - Transfer children (``"transfer": true``) hand a prompt to another instance
   and must key on the whole prompt: they get the ``model_input`` seen
   *before* recv, with hidden states realigned to it, even when another child
@@ -29,8 +32,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from connectors.v0.batch import split_prefills
+from connectors.config import topology
 from connectors.config.validate import ConfigError, validate_kv_transfer_config
+from connectors.v0.batch import split_prefills
 from connectors.logs import get_logger
 from connectors.v0.registry import registered_connectors
 from vllm.config import KVTransferConfig
@@ -72,8 +76,8 @@ class MultiConnectorV0(KVConnectorBase):
             raise
         self.children: list[Child] = []
         try:
-            for index, child_dict in enumerate(kv_config.kv_connector_extra_config["connectors"]):
-                self.children.append(self._build_child(index, child_dict, rank, local_rank, config))
+            for spec in topology.children(as_dict):
+                self.children.append(self._build_child(spec, rank, local_rank, config))
         except BaseException:
             self.close()
             raise
@@ -84,15 +88,14 @@ class MultiConnectorV0(KVConnectorBase):
             f"{'recv' if c.is_consumer else ''})" for c in self.children))
 
     @staticmethod
-    def _build_child(index, child_dict, rank, local_rank, config) -> Child:
-        child_kv_config = KVTransferConfig(**copy.deepcopy(child_dict))
+    def _build_child(spec: topology.Child, rank, local_rank, config) -> Child:
+        """Build one child through vLLM's V0 factory; what it does is the topology's answer."""
+        child_kv_config = KVTransferConfig(**copy.deepcopy(dict(spec.config)))
         child_vllm_config = copy.copy(config)
         child_vllm_config.kv_transfer_config = child_kv_config
         connector = KVConnectorFactory.create_connector_v0(rank, local_rank, child_vllm_config)
-        extra = child_kv_config.kv_connector_extra_config or {}
-        return Child(index, child_kv_config.kv_connector, connector,
-                     child_kv_config.is_kv_producer, child_kv_config.is_kv_consumer,
-                     bool(extra.get("transfer", False)))
+        return Child(spec.index, child_kv_config.kv_connector, connector,
+                     spec.sends, spec.receives, spec.transfer)
 
     def recv_kv_caches_and_hidden_states(self, model_executable: torch.nn.Module, model_input,
                                          kv_caches: list[torch.Tensor]):
