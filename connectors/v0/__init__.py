@@ -6,7 +6,10 @@
                         chosen by attention backend name (torch only, no vLLM)
     attn_backend.py     which attention backend shaped a worker's KV caches
     registry.py         vLLM's KVConnectorFactory registry: the one place that reads it
-    batch.py            slicing a V0 batch into per-request prefills
+    batch.py            slicing a V0 batch into per-request prefills, and which requests
+                        can't be keyed by token ids (LoRA, multimodal, prompt embeds/adapters)
+    served_model.py     the `model` part of store keys from vLLM's ModelConfig (weights
+                        identity + dtype, quantization, RoPE/config overrides)
     cpu_worker.py       the CPU worker with the GPU runner's recv -> forward -> send hooks
                         (``--worker-cls connectors.v0.cpu_worker.KVTransferCPUWorker``)
 

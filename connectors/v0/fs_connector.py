@@ -9,6 +9,16 @@ worker's attention backend, checked against the cache's shape.
 Only the last prompt token's hidden state is stored: it is what samples the
 first generated token; every later token comes from the KV.
 
+Keys hash the prompt's token ids under an identity whose `model` part names
+the weights and the serving settings that change KV
+(connectors.v0.served_model: a Hugging Face commit or a content fingerprint
+of the weights, plus dtype, quantization, RoPE and config overrides; the
+``model_id`` setting replaces the weights part). It is computed once at
+start-up and logged. A request whose KV depends on more than its token ids
+(a LoRA adapter, multimodal inputs, a prompt adapter) is never published and
+never served from the store: it recomputes, with the reason logged
+(connectors.v0.batch). Prompt embeddings are refused at start-up.
+
 Consumer (``kv_consumer``/``kv_both``): before a prefill step, the entry of
 every prefill request is loaded. The forward pass is skipped only when every
 request in the step is a complete, valid hit, the step holds no decode
@@ -22,8 +32,8 @@ Config (``kv_connector_extra_config``, see connectors.config.validate):
 directory), ``fsync``, ``model_id``, and the store bounds ``max_bytes`` and
 ``ttl_seconds`` (connectors.store.eviction). Prefix caching and chunked
 prefill make a step compute only part of a prompt; they, pipeline
-parallelism and an attention backend with no layout adapter are refused at
-start-up.
+parallelism, prompt embeddings and an attention backend with no layout
+adapter are refused at start-up.
 """
 
 from __future__ import annotations
@@ -36,12 +46,14 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from connectors.store import format as fmt
+from connectors.store.model_identity import ModelIdentityError
 from connectors.v0.batch import split_prefills, span_slots, span_tokens
 from connectors.config.validate import ConfigError, ConfigProblem, parse_fs_settings
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.kv_layout import (CacheGeometry, KVLayout, UnsupportedLayout, layout_for_backend,
                                      select_layout)
+from connectors.v0.served_model import served_model_identity, unkeyable_input_problems
 from connectors.logs import get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -68,7 +80,11 @@ class FSConnector(KVConnectorBase):
         try:
             self.settings = parse_fs_settings(kv_config.kv_connector_extra_config or {})
             _refuse_unsupported(config)
+            problems = unkeyable_input_problems(config.model_config)
+            if problems:
+                raise ConfigError(problems)
             self.root = _resolve_store_path(self.settings.fs_storage_path)
+            self.model_id, described = _model_identity(config.model_config, self.settings.model_id)
         except ConfigError as e:
             logger.error("FSConnector: cannot start:\n%s", e)
             raise
@@ -92,7 +108,9 @@ class FSConnector(KVConnectorBase):
             head_size=model_config.get_head_size(),
         )
         self.num_layers = model_config.get_num_layers(parallel)
-        self.model_id = self.settings.model_id or model_config.model
+        # What an entry's hidden state must be to stand in for this model's (checked on load).
+        self.hidden_size = model_config.get_hidden_size()
+        self.hidden_dtype = model_config.dtype
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = parallel.tensor_parallel_size
         self._identity: fmt.KVIdentity | None = None  # known once caches exist
@@ -104,6 +122,10 @@ class FSConnector(KVConnectorBase):
                     self.model_id, self.num_layers, self.geometry.kv_heads,
                     self.geometry.head_size, self.geometry.block_size, self.tp_rank,
                     self.tp_size, self.settings.fsync)
+        logger.info("FSConnector model identity: %s; weights: %s", self.model_id, described)
+        if config.lora_config is not None:
+            logger.info("FSConnector: LoRA is enabled; requests with an adapter are recomputed, "
+                        "never published or loaded (their KV depends on the adapter)")
 
     # -- identity and layout, fixed by the first real (non-profile) cache --
 
@@ -136,6 +158,10 @@ class FSConnector(KVConnectorBase):
         identity, layout = self._bind(kv_caches)
         hidden = hidden_or_intermediate_states
         for span in step.spans:
+            if span.refusal:
+                logger.info("[rank%d]: KV not sent for request %d (%d tokens): %s", self.rank,
+                            span.index, span.num_tokens, span.refusal)
+                continue
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
             if self.store.has_entry(key):
@@ -184,6 +210,10 @@ class FSConnector(KVConnectorBase):
             return self._redo(model_input, f"step has {step.num_decode_tokens} decode tokens")
         if _wants_prompt_logprobs(model_input):
             return self._redo(model_input, "prompt_logprobs requested (needs every position's hidden state)")
+        refused = next((span for span in step.spans if span.refusal), None)
+        if refused is not None:
+            return self._redo(model_input, f"request {refused.index} ({refused.num_tokens} tokens) "
+                                           f"not served from the store: {refused.refusal}")
         identity, layout = self._bind(kv_caches)
         device = kv_caches[0].device
         start = time.perf_counter()
@@ -192,11 +222,12 @@ class FSConnector(KVConnectorBase):
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
             try:
-                entry = self.store.load(identity, tokens, device)
+                entry = self.store.load(identity, tokens, device, hidden_size=self.hidden_size,
+                                        hidden_dtype=self.hidden_dtype)
             except FileNotFoundError:
                 return self._redo(model_input, f"miss key={key} tokens={len(tokens)}")
             except fmt.EntryCorrupt as e:
-                self._remove_corrupt(e.path)
+                self._remove_corrupt(e)
                 return self._redo(model_input, f"corrupt key={key}: {e.reason}")
             except TokenMismatch as e:
                 return self._redo(model_input, f"token mismatch key={key}: {e}")
@@ -218,15 +249,17 @@ class FSConnector(KVConnectorBase):
                     (time.perf_counter() - start) * 1e3)
         return hidden, True, model_input
 
-    def _remove_corrupt(self, path: Path) -> None:
+    def _remove_corrupt(self, error: fmt.EntryCorrupt) -> None:
         """Delete an entry that can never be served, so the producer publishes it again.
 
         (A producer that finds the name taken would otherwise keep reporting
-        it as stored.) Best effort: a read-only mount just keeps recomputing.
+        it as stored.) Only an entry by the store's rule is removed
+        (FSStore.remove_corrupt). Best effort: a read-only mount just keeps
+        recomputing.
         """
         try:
-            path.unlink()
-            logger.warning("[rank%d]: removed corrupt entry %s", self.rank, path.name)
+            if self.store.remove_corrupt(error):
+                logger.warning("[rank%d]: removed corrupt entry %s", self.rank, error.path.name)
         except OSError:
             pass
 
@@ -242,6 +275,15 @@ def _wants_prompt_logprobs(model_input) -> bool:
     groups = getattr(model_input.sampling_metadata, "seq_groups", None) or []
     return any(g.sampling_params is not None and g.sampling_params.prompt_logprobs is not None
                for g in groups)
+
+
+def _model_identity(model_config, model_id: str | None) -> tuple[str, str]:
+    """served_model_identity, its failure as a start-up ConfigError naming vLLM's --model."""
+    try:
+        return served_model_identity(model_config, model_id)
+    except ModelIdentityError as e:
+        problems = [ConfigProblem("--model", e.message, e.fix)]
+        raise ConfigError(problems) from e
 
 
 def _resolve_store_path(path: str) -> Path:
