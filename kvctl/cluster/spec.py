@@ -30,18 +30,9 @@ from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
 from kvctl.runtime.docker_options import DockerOptions
 
-# TEMP-SHIM(B): old names, until kvctl.verify, kvctl.scenario and tests/ import kvctl.cluster.state.
-from kvctl.cluster.state import (  # noqa: E402,F401
-    STATE_FILE,
-    ClusterState,
-    InstanceRecord,
-    clusters_root,
-    list_clusters,
-    load_cluster,
-    remove_state,
-    save_cluster,
-    utc_now,
-)
+# TEMP-SHIM(B): tests/conftest.py (kvctl_home teardown) still imports list_clusters from here;
+# delete this line once it reads `from kvctl.cluster.state import list_clusters`.
+from kvctl.cluster.state import list_clusters  # noqa: E402,F401
 
 log = logging.getLogger(__name__)
 
