@@ -174,7 +174,7 @@ def kvctl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path
     if _RIG[0] is not None:
         monkeypatch.setenv("KVCTL_RIG_PYTHON", str(_RIG[0]))
     yield home
-    from kvctl.cluster.spec import list_clusters
+    from kvctl.cluster.state import list_clusters
     from kvctl.cluster.lifecycle import down
 
     for name in list_clusters():

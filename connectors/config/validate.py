@@ -38,9 +38,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.config import topology
 from connectors.config.topology import FS_CONNECTOR, MULTI_CONNECTOR, ROLES
-# TEMP-SHIM(A): fs_storage_paths moved to connectors.config.topology; re-exported until
-# kvctl.cluster.spec and kvctl.runtime.docker import it from there.
-from connectors.config.topology import fs_storage_paths as fs_storage_paths  # noqa: E402,F401
 
 # Names vLLM 0.9.2's KVConnectorFactory can build as V0 connectors, plus ours
 # (registered by connectors.plugin).

@@ -18,21 +18,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.config.validate import (
-    ConfigError,
-    fs_storage_paths,
-    registered_v0_connectors,
-    validate_kv_transfer_config,
-)
+from connectors.config.topology import fs_storage_paths
+from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
 from kvctl.cluster.state import DEFAULT_NAME, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
 from kvctl.runtime.docker_options import DockerOptions
-
-# TEMP-SHIM(B): tests/conftest.py (kvctl_home teardown) still imports list_clusters from here;
-# delete this line once it reads `from kvctl.cluster.state import list_clusters`.
-from kvctl.cluster.state import list_clusters  # noqa: E402,F401
 
 log = logging.getLogger(__name__)
 

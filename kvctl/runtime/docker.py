@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from connectors.config.validate import fs_storage_paths
+from connectors.config.topology import fs_storage_paths
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.provision import images
