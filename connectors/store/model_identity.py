@@ -33,9 +33,12 @@ directory, its size and the xxh3-128 of its full content (streamed). A
 single-file model is hashed the same way with an empty name, so its copies
 match under any file name.
 
-Hashing 30 GB takes a while (measured: see the issue's closing note), so each
-file's digest is cached by ``(st_dev, st_ino, st_size, st_mtime_ns,
-st_ctime_ns)``, in one small JSON file per model directory under
+Hashing is bound by the disk: measured here (8.6 GB in 4 shards, 2 vCPUs,
+virtual disk) 447 MB/s cold (19 s; so ~70 s for 30 GB), 1.35 GB/s when the
+host still caches the data, 10 GB/s from the page cache (xxh3 itself runs at
+13 GB/s). So each file's digest is cached (a warm start costs under 1 ms),
+keyed by ``(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns)``, in one
+small JSON file per model directory under
 ``$KVCTL_FINGERPRINT_CACHE`` (default ``$XDG_CACHE_HOME/kvctl/fingerprints``,
 i.e. ``~/.cache/kvctl/fingerprints``). A regenerated, copied-over or
 rewritten file has another inode, size, mtime or ctime (the ctime cannot be
