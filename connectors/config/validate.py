@@ -130,7 +130,9 @@ class FSConnectorSettings(BaseModel):
     fsync: bool = True
     """fsync each entry before publishing it (durable across power loss)."""
     model_id: str | None = Field(default=None, min_length=1)
-    """Model identity used in store keys; default: the served model's path/name."""
+    """Names the weights in store keys; default: their identity (HF snapshot commit or content
+    fingerprint, connectors.store.model_identity). The model dtype and other serving settings
+    that change KV are added either way."""
     max_bytes: int | None = Field(default=None, gt=0)
     """Bound on the store's size in bytes; least recently used entries go first."""
     ttl_seconds: float | None = Field(default=None, gt=0)
@@ -142,7 +144,7 @@ _FS_FIX = {
     "fs_storage_path": 'set "fs_storage_path" to the store directory P and D share, e.g. "/mnt/kv-store"',
     "transfer": "use true or false (JSON booleans, unquoted)",
     "fsync": "use true or false (JSON booleans, unquoted)",
-    "model_id": "use a non-empty string, or leave it out to key on the served model",
+    "model_id": "use a non-empty string, or leave it out to key on the served weights' identity",
     "max_bytes": "use a positive whole number of bytes, e.g. 10000000000 for 10 GB, or leave it out",
     "ttl_seconds": "use a positive number of seconds, or leave it out",
 }

@@ -5,6 +5,8 @@
                  and what may be deleted. Standard library + xxhash only: kvctl reads
                  stores without torch.
     eviction.py  bounded stores: the store lock, LRU eviction (imports format)
+    model_identity.py  the weights' identity in keys: Hugging Face snapshot commit or a
+                 cached xxh3-128 content fingerprint (standard library + xxhash; kvctl may use it)
     fs_store.py  the torch side used by the connectors: save and load tensors (imports both)
 
 May import: nothing else in `connectors` (logs excepted). Must not import vLLM.
