@@ -51,6 +51,7 @@ from kvctl.runtime.base import (
     last_log_line,
     read_log_tail,
 )
+from kvctl.runtime.processes import process_start_ticks, server_groups_in
 from kvctl.subprocesses import TAIL_LINES
 
 log = logging.getLogger(__name__)
@@ -372,8 +373,27 @@ def cluster_status(name: str) -> ClusterStatus:
     return ClusterStatus(state, health)
 
 
-def all_cluster_status() -> list[ClusterStatus]:
-    return [cluster_status(name) for name in list_clusters()]
+@dataclass
+class DamagedCluster:
+    """A cluster whose cluster.json cannot be read: listed, never hidden; `down` removes it."""
+
+    name: str
+    error: str
+    path: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "error": self.error, "path": self.path}
+
+
+def all_cluster_status() -> tuple[list[ClusterStatus], list[DamagedCluster]]:
+    """Every cluster's status; one with unreadable state is reported, not fatal to the rest."""
+    statuses, damaged = [], []
+    for name in list_clusters():
+        try:
+            statuses.append(cluster_status(name))
+        except BadInput as e:
+            damaged.append(DamagedCluster(name, e.what, e.where or str(cluster_dir(name) / STATE_FILE)))
+    return statuses, damaged
 
 
 def instance(name: str, role: str) -> Instance:
@@ -394,10 +414,11 @@ class DownReport:
     stopped: list[StopResult] = field(default_factory=list)
     removed: str | None = None  # the directory removed (or emptied, with keep_store)
     kept_store: str | None = None
+    damaged_state: str | None = None  # why cluster.json could not be read (then removed anyway)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "found": self.found, "removed": self.removed,
-                "kept_store": self.kept_store,
+                "kept_store": self.kept_store, "damaged_state": self.damaged_state,
                 "stopped": [{"role": s.role, "was_running": s.was_running, "signal": s.signal,
                              "seconds": round(s.seconds, 2)} for s in self.stopped]}
 
@@ -419,11 +440,12 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
     if (cdir / STATE_FILE).exists():
         try:
             state = load_cluster(name)
-        except BadInput as e:
-            raise BadInput(e.what, where=e.where,
-                           fix=f"stop its vLLM processes by hand (`ps -ef | grep vllm`) and remove {cdir}") from None
-        store = Path(state.store)
-        report.stopped = _stop_all(_attach_all(state), grace_s)
+        except BadInput as e:  # unreadable state: stop what still runs there, then remove it
+            report.damaged_state = e.what
+            report.stopped = _stop_strays(cdir, grace_s)
+        else:
+            store = Path(state.store)
+            report.stopped = _stop_all(_attach_all(state), grace_s)
         remove_state(name)
     keep = keep_store and store is not None and store.is_dir() and store.is_relative_to(cdir)
     if keep:
@@ -437,6 +459,20 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             report.kept_store = str(store)  # outside the cluster dir: never ours to remove
     report.removed = str(cdir)
     return report
+
+
+def _stop_strays(cdir: Path, grace_s: float) -> list[StopResult]:
+    """Stop the vLLM servers still running in `cdir` when the state naming them is lost.
+
+    Local servers run in their cluster dir, each leading its own process group;
+    each group is stopped as the local runtime stops its instances.
+    (A docker cluster's containers carry labels and are not found here.)
+    """
+    local = get_runtime("local")
+    instances = {f"process group {pgid}": local.attach(f"process group {pgid}", "", cdir / "logs",
+                                                       {"pid": pgid, "start_ticks": process_start_ticks(pgid)})
+                 for pgid in server_groups_in(cdir)}
+    return _stop_all(instances, grace_s)
 
 
 @contextlib.contextmanager

@@ -11,22 +11,19 @@ is kvctl.cluster.state; parsing typed values is kvctl.cluster.parse.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.config.topology import fs_storage_paths
+from connectors.config.topology import transfer_store
 from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
 from kvctl.cluster.state import DEFAULT_NAME, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
 from kvctl.runtime.docker_options import DockerOptions
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
 DEFAULT_WORKER_CLS = "connectors.v0.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
@@ -118,6 +115,9 @@ def resolve_model(model: Path | None) -> Path:
     if model is None:
         return Path(ensure_default_model()).resolve()
     model = model.expanduser().resolve()
+    if model.exists() and not model.is_dir():
+        raise BadInput(f"{model} is a file, not a model directory", field="model",
+                       fix="pass the Hugging Face model directory that holds config.json and the weights")
     if not model.is_dir():
         raise BadInput(f"model directory not found: {model}", field="model",
                        fix="pass an existing Hugging Face model directory "
@@ -140,6 +140,37 @@ def check_port_free(port: int, field: str) -> None:
         except OSError as e:
             raise BadInput(f"port {port} is not available: {e.strerror}", field=field,
                            fix="pick another port, or leave it out for a free one") from None
+
+
+_SIDES = {"prefill": "send", "decode": "recv"}
+
+
+def shared_store(configs: Mapping[str, object], store: Path | None, cdir: Path) -> Path:
+    """The one directory P's transfer child writes and D's reads: the cluster's store.
+
+    A given config names it through its transfer child's `fs_storage_path`
+    (relative paths resolve against the servers' cwd, `cdir`); `store` names
+    it explicitly; otherwise it is `cdir/store`. When only one side names a
+    path, the other side's default config uses it. Raises BadInput when two
+    of them name different directories: P and D would never meet.
+    """
+    named: dict[str, Path] = {}
+    for role, cfg in configs.items():
+        path = transfer_store(cfg, _SIDES[role]) if isinstance(cfg, dict) else None
+        if path:
+            named[f"{role}_config"] = (cdir / Path(path).expanduser()).resolve()
+    if store is not None:
+        store_dir = store.expanduser().resolve()
+        if store_dir.exists() and not store_dir.is_dir():
+            raise BadInput(f"the store {store_dir} is a file, not a directory", field="store",
+                           fix="name a directory (it is created when missing)")
+        named = {"store": store_dir, **named}
+    if len(set(named.values())) > 1:
+        listed = "; ".join(f"{f} uses {p}" for f, p in named.items())
+        raise BadInput(f"prefill and decode would never meet: {listed}", field=tuple(named),
+                       fix="point every fs_storage_path of the transfer connectors (and the store, if "
+                           "given) at one shared directory, or name it on one side only")
+    return next(iter(named.values()), cdir / "store")
 
 
 def default_cpu_binds() -> tuple[str, str]:
@@ -174,20 +205,10 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     if timeout_s <= 0:
         raise BadInput(f"timeout must be positive, got {timeout_s}", field="timeout",
                        fix="pass seconds, e.g. 300")
-    model_dir = resolve_model(model)
     cdir = cluster_dir(name)
     configs = {"prefill": prefill_config, "decode": decode_config}
-    user_paths = {str((cdir / p).resolve()) for c in configs.values()
-                  if isinstance(c, dict) for p in fs_storage_paths(c)}  # relative to the servers' cwd
-    if store is not None:
-        store_dir = store.expanduser().resolve()
-        if user_paths - {str(store_dir)}:
-            log.warning("store %s differs from fs_storage_path in the given configs (%s)",
-                        store_dir, ", ".join(sorted(user_paths)))
-    elif len(user_paths) == 1:
-        store_dir = Path(user_paths.pop())  # the configs say where the store is
-    else:
-        store_dir = cdir / "store"
+    store_dir = shared_store(configs, store, cdir)
+    model_dir = resolve_model(model)
     for role in ("prefill", "decode"):
         if isinstance(configs[role], DefaultConfig):
             configs[role] = default_kv_config(role, store_dir)

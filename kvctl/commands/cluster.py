@@ -111,8 +111,8 @@ def status_cmd(
     With --name, exits 1 when a server is not healthy.
     """
     out = Output(json_mode=json_)
-    statuses = [lifecycle.cluster_status(name)] if name else lifecycle.all_cluster_status()
-    render_status(out, statuses, one=name is not None)
+    statuses, damaged = ([lifecycle.cluster_status(name)], []) if name else lifecycle.all_cluster_status()
+    render_status(out, statuses, damaged, one=name is not None)
     if name and not statuses[0].healthy:
         raise typer.Exit(ExitCode.CHECK_FAILED)
 

@@ -57,3 +57,29 @@ def group_members(pgid: int) -> list[int]:
         if stat and stat[1] == pgid and _is_live(stat[0]):
             members.append(int(entry.name))
     return members
+
+
+def server_groups_in(cwd: Path) -> list[int]:
+    """Process groups of live vLLM servers whose working directory is `cwd`.
+
+    A local cluster's servers run in its cluster dir, each leading its own
+    group; when the cluster's state is lost this is how `down` still finds
+    them. Only processes whose command line names vLLM count: a shell that
+    happens to sit in that dir is not ours.
+    """
+    found: set[int] = set()
+    target = os.path.realpath(cwd)
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        pid = int(entry.name)
+        try:
+            if os.readlink(f"/proc/{pid}/cwd") != target:
+                continue
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        stat = _proc_stat(pid)
+        if b"vllm" in cmdline and stat and _is_live(stat[0]):
+            found.add(stat[1])
+    return sorted(found)

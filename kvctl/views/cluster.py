@@ -6,10 +6,11 @@ import sys
 from collections.abc import Iterable
 
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.cluster.lifecycle import ClusterStatus, DownReport, LaunchProgress
+from kvctl.cluster.lifecycle import ClusterStatus, DamagedCluster, DownReport, LaunchProgress
 from kvctl.cluster.spec import ClusterSpec
 from kvctl.cluster.state import ClusterState, InstanceRecord
 from kvctl.views.output import Output
@@ -54,11 +55,16 @@ def render_launched(out: Output, state: ClusterState) -> None:
              f"`kvctl down --name {state.name}`")
 
 
-def render_status(out: Output, statuses: list[ClusterStatus], one: bool) -> None:
-    """`kvctl status`: one cluster's status object (`one`), or every cluster's."""
+def render_status(out: Output, statuses: list[ClusterStatus], damaged: list[DamagedCluster],
+                  one: bool) -> None:
+    """`kvctl status`: one cluster's status object (`one`), or every cluster's and the damaged ones."""
     if out.json_mode:
-        out.emit_json(statuses[0].to_json() if one else {"clusters": [s.to_json() for s in statuses]})
+        out.emit_json(statuses[0].to_json() if one else {"clusters": [s.to_json() for s in statuses],
+                                                         "damaged": [d.to_json() for d in damaged]})
         return
+    for d in damaged:
+        out.info(f"[red]cluster {escape(d.name)!r} is damaged:[/red] {escape(d.error)} ({escape(d.path)}); "
+                 f"`kvctl down --name {escape(d.name)}` stops what runs there and removes it")
     if not statuses:
         out.info("no clusters (start one with `kvctl launch 1p1d`)")
         return
@@ -87,6 +93,9 @@ def render_down(out: Output, report: DownReport) -> None:
     for s in report.stopped:
         what = f"stopped ({s.signal}, {s.seconds:.1f} s)" if s.was_running else "was not running"
         out.info(f"{s.role}: {what}")
+    if report.damaged_state:
+        out.info(f"its state was unreadable ({report.damaged_state}): stopped the vLLM servers found in "
+                 f"its directory ({len(report.stopped)})")
     if report.kept_store:
         out.info(f"removed cluster {name!r} ({report.removed}); kept its store {report.kept_store}")
     else:
