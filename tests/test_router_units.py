@@ -85,7 +85,7 @@ def test_round_robin_skips_unhealthy_and_tried():
     mark_down(pool.instances[2], "cannot connect: connection refused")
     assert [pool.pick().name for _ in range(3)] == ["prefill-1", "prefill-0", "prefill-1"]
     assert pool.pick(exclude=pool.instances[:2]) is None
-    assert pool.unhealthy_summary() == f"prefill-2 (http://127.0.0.1:8102): cannot connect: connection refused"
+    assert pool.unhealthy_summary() == "prefill-2 (http://127.0.0.1:8102): cannot connect: connection refused"
 
 
 def test_least_outstanding_and_its_ties_rotate():

@@ -46,7 +46,13 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from kvctl.router.bodies import BadRequestBody, encode, error_body, parse_request, prefill_request
+from kvctl.router.bodies import (
+    BadRequestBody,
+    encode,
+    error_body,
+    parse_request,
+    prefill_request,
+)
 from kvctl.router.config import KEEPALIVE_S, RouterConfig
 from kvctl.router.health import check_all, describe, log_change, run_health_checks
 from kvctl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
