@@ -716,3 +716,14 @@ def test_router_process_bad_arguments(args, flag):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r.stderr
     assert flag in r.stderr
+
+
+def test_bench_reports_added_latency(capsys):
+    from kvctl.router import bench
+
+    assert bench.main(["--requests", "5", "--warmup", "1", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for mode in ("non_streamed", "streamed"):
+        rows = report["modes"][mode]
+        assert set(rows) == {"direct_ms", "router_ms", "added_ms"}
+        assert rows["router_ms"]["p50"] > 0 and rows["direct_ms"]["p99"] >= rows["direct_ms"]["p50"]

@@ -14,11 +14,11 @@ A completion, step by step:
    (401 otherwise). The client's `Authorization` goes to P and D as it came.
 2. One request id: the client's `X-Request-Id`, or a new one; it goes to P and D
    (vLLM names the request `chatcmpl-<id>` / `cmpl-<id>` in its log) and back.
-3. P gets the prefill body (bodies.py). A connect error marks that P down and the
-   next healthy P is tried (the request never reached it); none left: 502 naming
-   every P tried, or 503 when no P was healthy to begin with. P's 4xx goes back to
-   the client unchanged and D is not called; P's 5xx, a timeout or a cut answer
-   give 502 naming the instance.
+3. No healthy P or no healthy D: 503 at once (no prefill is spent on a request
+   no D could finish). P gets the prefill body (bodies.py). A connect error marks
+   that P down and the next healthy P is tried (the request never reached it);
+   none left: 502 naming every P tried. P's 4xx goes back to the client unchanged
+   and D is not called; P's 5xx, a timeout or a cut answer give 502 naming it.
 4. Once P has answered, D gets the client's body byte for byte. D's answer is
    relayed chunk by chunk as it arrives (SSE events unbuffered). Before D's first
    body byte, D failing gives 502 like P (its 4xx passes through); after it, a

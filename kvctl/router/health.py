@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Iterable
 
@@ -26,7 +27,7 @@ def describe(e: BaseException) -> str:
         return "timed out"
     if isinstance(e, aiohttp.ClientConnectorError):
         err = e.os_error
-        text = (err.strerror or str(err)) if err is not None else str(e)
+        text = os.strerror(err.errno) if err is not None and err.errno else str(err or e)
         return f"cannot connect: {text.lower()}"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
