@@ -108,54 +108,59 @@ def _summary(values: list[float]) -> dict[str, float]:
             "mean": round(statistics.fmean(values), 3)}
 
 
+def _measure_mode(client: httpx.Client, p_url: str, d_url: str, r_url: str, stream: bool,
+                  requests: int, warmup: int) -> dict:
+    body = {"model": "fake", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
+            "max_tokens": 16, "temperature": 0.0, "stream": stream}
+    raw, p_raw = encode(body), encode(prefill_request(body))
+    headers = {"Content-Type": "application/json"}
+
+    def post(url: str, data: bytes) -> None:
+        with client.stream("POST", f"{url}/v1/chat/completions", content=data, headers=headers) as resp:
+            resp.raise_for_status()
+            for _ in resp.iter_raw():
+                pass
+
+    def direct() -> None:  # what a client without a router does
+        post(p_url, p_raw)
+        post(d_url, raw)
+
+    def routed() -> None:
+        post(r_url, raw)
+
+    for _ in range(warmup):
+        direct()
+        routed()
+    d_ms, r_ms = [], []
+    for _ in range(requests):
+        d_ms.append(_timed(direct))
+        r_ms.append(_timed(routed))
+    return {"direct_ms": _summary(d_ms), "router_ms": _summary(r_ms),
+            "added_ms": _summary([r - d for r, d in zip(r_ms, d_ms)])}
+
+
 def measure(requests: int, warmup: int) -> dict:
+    """Start fakes and a router, measure both modes, stop them. Returns the report."""
     p_port, d_port, r_port = _free_port(), _free_port(), _free_port()
     p_url, d_url, r_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port))
-    fakes = subprocess.Popen([sys.executable, "-m", MODULE, "serve-fakes", str(p_port), str(d_port)],
-                             stdout=subprocess.PIPE, text=True)
-    assert fakes.stdout is not None
-    fakes.stdout.readline()  # "ready": the router's first health check finds them up
-    router_log = tempfile.TemporaryFile()  # the router logs a line per request, as it does in use
-    router = subprocess.Popen([sys.executable, "-m", "kvctl.router", "--prefill", p_url, "--decode", d_url,
-                               "--port", str(r_port)], stdout=router_log, stderr=router_log)
-    try:
-        _wait_healthy(r_url, router)
-        report: dict = {"requests": requests, "warmup": warmup, "modes": {}}
-        with httpx.Client(timeout=30) as client:
-            for mode in ("non_streamed", "streamed"):
-                body = {"model": "fake", "messages": [{"role": "user", "content": "Why is the sky blue?"}],
-                        "max_tokens": 16, "temperature": 0.0, "stream": mode == "streamed"}
-                raw, p_raw = encode(body), encode(prefill_request(body))
-                headers = {"Content-Type": "application/json"}
-
-                def post_all(url: str, data: bytes) -> None:
-                    with client.stream("POST", url, content=data, headers=headers) as resp:
-                        resp.raise_for_status()
-                        for _ in resp.iter_raw():
-                            pass
-
-                def direct() -> None:
-                    post_all(f"{p_url}/v1/chat/completions", p_raw)
-                    post_all(f"{d_url}/v1/chat/completions", raw)
-
-                def routed() -> None:
-                    post_all(f"{r_url}/v1/chat/completions", raw)
-
-                for _ in range(warmup):
-                    direct()
-                    routed()
-                d_ms, r_ms = [], []
-                for _ in range(requests):
-                    d_ms.append(_timed(direct))
-                    r_ms.append(_timed(routed))
-                report["modes"][mode] = {"direct_ms": _summary(d_ms), "router_ms": _summary(r_ms),
-                                         "added_ms": _summary([r - d for r, d in zip(r_ms, d_ms)])}
-        return report
-    finally:
-        for proc in (router, fakes):
-            proc.terminate()
-            proc.wait(10)
-        router_log.close()
+    with tempfile.TemporaryFile() as router_log:  # the router logs a line per request, as in use
+        fakes = subprocess.Popen([sys.executable, "-m", MODULE, "serve-fakes", str(p_port), str(d_port)],
+                                 stdout=subprocess.PIPE, text=True)
+        assert fakes.stdout is not None
+        fakes.stdout.readline()  # "ready": the router's first health check finds them up
+        router = subprocess.Popen([sys.executable, "-m", "kvctl.router", "--prefill", p_url,
+                                   "--decode", d_url, "--port", str(r_port)],
+                                  stdout=router_log, stderr=router_log)
+        try:
+            _wait_healthy(r_url, router)
+            with httpx.Client(timeout=30) as client:
+                modes = {mode: _measure_mode(client, p_url, d_url, r_url, mode == "streamed", requests, warmup)
+                         for mode in ("non_streamed", "streamed")}
+            return {"requests": requests, "warmup": warmup, "modes": modes}
+        finally:
+            for proc in (router, fakes):
+                proc.terminate()
+                proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
