@@ -8,6 +8,10 @@ started and removes the state (the logs stay, for reading) before the error
 propagates. `running_cluster` wraps launch and `down` for callers that must
 always tear down (scenarios, tests).
 
+A cluster kvctl did not start (`managed: false`, written by kvctl.attach)
+has no runtime behind it: its status is its instances' /health answers,
+its logs are its log files, and `down` refuses it (`kvctl detach` forgets it).
+
 Library code: nothing here prints; progress goes to an optional callback.
 """
 
@@ -47,7 +51,9 @@ from kvctl.runtime import ROLES, get_runtime
 from kvctl.runtime.base import (
     Instance,
     InstanceSpec,
+    InstanceStatus,
     StopResult,
+    instance_logs,
     last_log_line,
     read_log_tail,
 )
@@ -160,10 +166,44 @@ def _launch_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+class AttachedInstance:
+    """A server of a cluster kvctl did not start: seen through /health, never stopped."""
+
+    def __init__(self, role: str, url: str, log_path: Path):
+        self.role, self.url, self.log_path = role, url, log_path
+
+    def status(self) -> InstanceStatus:
+        with httpx.Client() as client:
+            if _is_healthy(client, self.url):
+                return InstanceStatus(True, detail="attached: /health answers")
+        return InstanceStatus(False, detail="attached: /health does not answer")
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> StopResult:
+        raise BadInput(f"the {self.role} server at {self.url} was not started by kvctl; it is not stopped",
+                       fix="stop it where it was started")
+
+    def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
+        return instance_logs(self, tail, follow)
+
+    def record(self) -> dict[str, Any]:
+        return {}
+
+
 def _attach_all(state: ClusterState) -> dict[str, Instance]:
+    if not state.managed:
+        return {name: AttachedInstance(name, rec.url, Path(rec.log_path))
+                for name, rec in state.instances.items()}
     runtime = get_runtime(state.runtime)
     return {role: runtime.attach(role, rec.url, Path(rec.log_path), rec.runtime_fields)
             for role, rec in state.instances.items()}
+
+
+def _not_ours(state: ClusterState, doing: str) -> BadInput:
+    """`down` (or a launch under its name) of a cluster kvctl did not start."""
+    return BadInput(f"cluster {state.name!r} was attached, not started by kvctl: {doing}",
+                    where=str(cluster_dir(state.name) / STATE_FILE),
+                    fix=f"`kvctl detach {state.name}` forgets it (its servers keep running); "
+                        "stop the servers where they were started")
 
 
 def _stop_all(instances: dict[str, Instance], grace_s: float = STOP_GRACE_S) -> list[StopResult]:
@@ -189,6 +229,8 @@ def _ensure_name_free(name: str) -> None:
     if not (cluster_dir(name) / STATE_FILE).exists():
         return
     state = load_cluster(name)
+    if not state.managed:
+        raise _not_ours(state, "a launch under its name would replace it")
     instances = _attach_all(state)
     running = [r for r, i in instances.items() if i.status().running]
     if running:
@@ -362,13 +404,17 @@ class ClusterStatus:
 
 
 def cluster_status(name: str) -> ClusterStatus:
-    """Process and /health state of each instance. Raises BadInput for an unknown cluster."""
+    """Process and /health state of each instance. Raises BadInput for an unknown cluster.
+
+    An attached cluster's instances have no process kvctl knows: running and
+    healthy both mean /health answered.
+    """
     state = load_cluster(name)
     health = {}
     with httpx.Client() as client:
         for role, inst in _attach_all(state).items():
             st = inst.status()
-            ok = st.running and _is_healthy(client, inst.url)
+            ok = st.running and (not state.managed or _is_healthy(client, inst.url))
             health[role] = InstanceHealth(role, st.running, ok, st.detail)
     return ClusterStatus(state, health)
 
@@ -430,7 +476,8 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
     With `keep_store` the store dir (when it lives in the cluster dir) stays.
     A store outside the cluster dir is never removed. Also cleans up clusters
     whose servers already died. Raises RuntimeFailure if a server survives
-    SIGKILL, BadInput for an invalid name or unreadable state.
+    SIGKILL, BadInput for an invalid name or unreadable state, and for a
+    cluster kvctl did not start (attached: nothing is stopped or removed).
     """
     cdir = cluster_dir(name)
     report = DownReport(name, found=cdir.exists())
@@ -444,7 +491,9 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             report.damaged_state = e.what
             report.stopped = _stop_strays(cdir, grace_s)
         else:
-            store = Path(state.store)
+            if not state.managed:
+                raise _not_ours(state, "down stops only servers kvctl started")
+            store = Path(state.store) if state.store is not None else None
             report.stopped = _stop_all(_attach_all(state), grace_s)
         remove_state(name)
     keep = keep_store and store is not None and store.is_dir() and store.is_relative_to(cdir)

@@ -11,6 +11,22 @@ runtime extras (`start_ticks`, `command`), `log_path`, `kv_transfer_config`
 (verify, inspect-store, scenarios) read these fields: they are a contract.
 The cluster dir also holds the servers' cwd, their logs under `logs/`, and
 the default store `store/`. The file is written atomically (temp + rename).
+
+A cluster kvctl did not start (`kvctl attach`, kvctl.attach) adds to that:
+
+    {"runtime": "attached", "managed": false,
+     "endpoint": router URL (only when there is one),
+     "store": absent when the store is not visible from this host,
+     "instances": {NAME: {"role": "prefill"|"decode", "url": ...,
+                          "log_source": a file path | "cmd:COMMAND" | null,
+                          "log_path": the file verify reads ("" without a source), ...}}}
+
+Instances are keyed by name: `prefill` and `decode` for 1P1D (as launch
+writes them), `prefill-0`, `decode-0`, ... for pools; `role` says which
+pool. `managed` and `endpoint` are written only when they differ from a
+launched cluster's (managed, no endpoint), so a launched cluster's file is
+unchanged. `down` refuses a cluster that is not managed; `kvctl detach`
+forgets it.
 """
 
 from __future__ import annotations
@@ -29,7 +45,40 @@ from kvctl.paths import kvctl_home
 
 DEFAULT_NAME = "default"
 STATE_FILE = "cluster.json"
+ATTACHED_RUNTIME = "attached"  # the `runtime` of a cluster kvctl did not start
+COMMAND_PREFIX = "cmd:"  # a log source that is a command whose output is the log
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class LogSource:
+    """Where an instance's log comes from: a file on this host, or a command's output.
+
+    Written in cluster.json as the path, or as `cmd:COMMAND` (run with a shell,
+    e.g. `cmd:kubectl logs -f deploy/decode-0 -n serving`).
+    """
+
+    path: Path | None = None
+    command: str | None = None
+
+    @classmethod
+    def parse(cls, text: str, field: str = "log") -> LogSource:
+        """A source as people write it. Raises BadInput (`field`) for an empty one."""
+        text = (text or "").strip()
+        if text.startswith(COMMAND_PREFIX):
+            command = text[len(COMMAND_PREFIX):].strip()
+            if not command:
+                raise BadInput(f"empty log command {text!r}", field=field,
+                               fix="write cmd: and the command whose output is the log, e.g. "
+                                   "'cmd:kubectl logs -f deploy/decode-0'")
+            return cls(command=command)
+        if not text:
+            raise BadInput("empty log source", field=field,
+                           fix="give the log file's path, or cmd:COMMAND whose output is the log")
+        return cls(path=Path(text).expanduser().absolute())
+
+    def __str__(self) -> str:
+        return f"{COMMAND_PREFIX}{self.command}" if self.command is not None else str(self.path)
 
 
 @dataclass
@@ -40,18 +89,32 @@ class InstanceRecord:
     kv_transfer_config: dict | None
     cwd: str
     runtime_fields: dict[str, Any]  # `pid`, `start_ticks`, `command` / `container_id`
+    # Attached instances only: the source as given (a path or `cmd:...`); "" when the
+    # log is not observable from here. None for launched ones (their log is log_path).
+    log_source: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "url": self.url, **self.runtime_fields,
+        data = {"role": self.role, "url": self.url, **self.runtime_fields,
                 "log_path": self.log_path, "kv_transfer_config": self.kv_transfer_config,
                 "cwd": self.cwd}
+        if self.log_source is not None:
+            data["log_source"] = self.log_source or None
+        return data
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> InstanceRecord:
-        known = {"role", "url", "log_path", "kv_transfer_config", "cwd"}
-        return cls(role=d["role"], url=d["url"], log_path=d["log_path"],
-                   kv_transfer_config=d.get("kv_transfer_config"), cwd=d["cwd"],
-                   runtime_fields={k: v for k, v in d.items() if k not in known})
+        known = {"role", "url", "log_path", "kv_transfer_config", "cwd", "log_source"}
+        source = d.get("log_source", ...)
+        return cls(role=d["role"], url=d["url"], log_path=d.get("log_path") or "",
+                   kv_transfer_config=d.get("kv_transfer_config"), cwd=d.get("cwd") or "",
+                   runtime_fields={k: v for k, v in d.items() if k not in known},
+                   log_source=None if source is ... else (source or ""))
+
+    def source(self) -> LogSource | None:
+        """Where this instance's log comes from; None when it is not observable from here."""
+        if self.log_source is None:
+            return LogSource(path=Path(self.log_path)) if self.log_path else None
+        return LogSource.parse(self.log_source) if self.log_source else None
 
 
 @dataclass
@@ -60,22 +123,40 @@ class ClusterState:
     runtime: str
     model: str
     served_model_name: str
-    store: str
+    store: str | None  # None: an attached cluster whose store is not visible from this host
     created: str
-    instances: dict[str, InstanceRecord] = field(default_factory=dict)
+    instances: dict[str, InstanceRecord] = field(default_factory=dict)  # keyed by instance name
+    managed: bool = True  # False: kvctl did not start it (attached); `down` refuses it
+    endpoint: str | None = None  # the router URL in front of the instances, if any
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "runtime": self.runtime, "model": self.model,
-                "served_model_name": self.served_model_name, "store": self.store,
-                "created": self.created,
-                "instances": {r: i.to_json() for r, i in self.instances.items()}}
+        data: dict[str, Any] = {"name": self.name, "runtime": self.runtime, "model": self.model,
+                                "served_model_name": self.served_model_name}
+        if self.store is not None:
+            data["store"] = self.store
+        data["created"] = self.created
+        if not self.managed:
+            data["managed"] = False
+        if self.endpoint is not None:
+            data["endpoint"] = self.endpoint
+        data["instances"] = {r: i.to_json() for r, i in self.instances.items()}
+        return data
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> ClusterState:
+        managed = d.get("managed", True)
+        if not isinstance(managed, bool):
+            raise TypeError(f"managed must be true or false, got {managed!r}")
         return cls(name=d["name"], runtime=d["runtime"], model=d["model"],
-                   served_model_name=d["served_model_name"], store=d["store"],
+                   served_model_name=d["served_model_name"],
+                   store=d["store"] if managed else d.get("store"),
                    created=d["created"],
-                   instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()})
+                   instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()},
+                   managed=managed, endpoint=d.get("endpoint"))
+
+    def by_role(self, role: str) -> dict[str, InstanceRecord]:
+        """This cluster's instances of `role` (prefill or decode), by name, in name order."""
+        return {n: i for n, i in sorted(self.instances.items()) if i.role == role}
 
 
 # --- where state lives ---

@@ -2,26 +2,43 @@
 
 Read from kvctl.cluster's state (ClusterState, or its cluster.json dict), or
 built directly (tests, and anything that runs servers itself).
+
+A launched cluster has every piece. An attached one (kvctl.attach) may lack
+some: an instance without a log source, a store not visible from here. Those
+stay None with the reason beside them (`InstanceInfo.unobservable`,
+`ClusterInfo.store_unobservable`), for the checks to report as not observable.
+An instance whose log is a command (`cmd:...`) has `log_command`; its output
+goes to `log_path` while verify runs (kvctl.verify.log_files.capturing_logs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvctl.cluster.state import ClusterState, load_cluster
+from kvctl.cluster.state import COMMAND_PREFIX, ClusterState, load_cluster
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
+
+NO_LOG_SOURCE = "no log source was given for it (kvctl attach)"
+STORE_NOT_VISIBLE = "the store is not visible from this host (attached without a store path)"
 
 
 @dataclass(frozen=True)
 class InstanceInfo:
     role: str
     url: str
-    log_path: Path
+    log_path: Path | None  # None: not observable from here (see `unobservable`)
     kv_transfer_config: dict
+    name: str = ""  # its key in cluster.json ("prefill", "decode-0", ...); "" means the role
+    log_command: str | None = None  # its log is this command's output, captured into log_path
+    unobservable: str = ""  # why its log cannot be read ("" when it can)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.role
 
 
 @dataclass(frozen=True)
@@ -30,39 +47,82 @@ class ClusterInfo:
 
     name: str
     model: str  # the name requests use (served model name)
-    store: Path
+    store: Path | None  # None: not visible from here (see `store_unobservable`)
     prefill: InstanceInfo
     decode: InstanceInfo
+    endpoint: str | None = None  # the router in front of the instances, if any
+    store_unobservable: str = ""
+    instances: tuple[InstanceInfo, ...] = field(default=())  # every instance; () means prefill and decode
+
+    def all_instances(self) -> tuple[InstanceInfo, ...]:
+        return self.instances or (self.prefill, self.decode)
 
 
-def cluster_info(state: ClusterState | Mapping[str, Any]) -> ClusterInfo:
+def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None = None,
+                 decode: str | None = None) -> ClusterInfo:
     """ClusterInfo from a ClusterState or its cluster.json dict.
 
-    Raises BadInput naming the missing field.
+    `prefill`/`decode` name the instances requests go to; default: the one
+    named after its role (a 1P1D cluster), else the first of the role by name.
+    Raises BadInput naming the missing field or the unknown instance.
     """
     d = state.to_json() if isinstance(state, ClusterState) else state
     name = str(d.get("name", "?"))
+    where = str(kvctl_home() / "clusters" / name / "cluster.json")
+    managed = d.get("managed", True) is not False
 
-    def need(obj: Mapping, key: str, where: str) -> Any:
+    def need(obj: Mapping, key: str, at: str) -> Any:
         if obj.get(key) in (None, ""):
-            raise BadInput(f"cluster state of {name!r} lacks {where}{key}",
-                           where=str(kvctl_home() / "clusters" / name / "cluster.json"),
-                           fix=f"relaunch it: `kvctl down` then `kvctl launch 1p1d`, both for cluster {name!r}")
+            raise BadInput(f"cluster state of {name!r} lacks {at}{key}", where=where,
+                           fix=(f"relaunch it: `kvctl down` then `kvctl launch 1p1d`, both for cluster {name!r}"
+                                if managed else f"attach it again: `kvctl detach {name}`, then `kvctl attach`"))
         return obj[key]
 
     instances = need(d, "instances", "")
 
-    def instance(role: str) -> InstanceInfo:
-        inst = need(instances, role, "instances.")
-        return InstanceInfo(role=role, url=str(need(inst, "url", f"instances.{role}.")),
-                            log_path=Path(need(inst, "log_path", f"instances.{role}.")),
-                            kv_transfer_config=dict(inst.get("kv_transfer_config") or {}))
+    def instance(key: str) -> InstanceInfo:
+        inst = need(instances, key, "instances.")
+        at = f"instances.{key}."
+        role = str(inst.get("role") or key)
+        source = inst.get("log_source", ...)
+        log_path: Path | None
+        command, why = None, ""
+        if source is ... or managed:  # launched: the log is its file
+            log_path = Path(need(inst, "log_path", at))
+        elif not source:
+            log_path, why = None, NO_LOG_SOURCE
+        elif str(source).startswith(COMMAND_PREFIX):
+            log_path, command = Path(need(inst, "log_path", at)), str(source)[len(COMMAND_PREFIX):].strip()
+        else:
+            log_path = Path(need(inst, "log_path", at))
+        return InstanceInfo(role=role, url=str(need(inst, "url", at)), log_path=log_path,
+                            kv_transfer_config=dict(inst.get("kv_transfer_config") or {}), name=key,
+                            log_command=command, unobservable=why)
 
+    def pick(role: str, wanted: str | None) -> str:
+        of_role = sorted(k for k, v in instances.items() if isinstance(v, Mapping) and v.get("role", k) == role)
+        if wanted is not None:
+            if wanted not in of_role:
+                raise BadInput(f"cluster {name!r} has no {role} instance named {wanted!r}", field=role,
+                               fix=f"use one of: {', '.join(of_role) or '(none)'}")
+            return wanted
+        if role in instances or not of_role:
+            return role  # need() names it when it is missing
+        return of_role[0]
+
+    all_infos = () if managed else tuple(instance(k) for k in sorted(instances))
+    p_key, d_key = pick("prefill", prefill), pick("decode", decode)
     model = d.get("served_model_name") or need(d, "model", "")
-    return ClusterInfo(name=name, model=str(model), store=Path(need(d, "store", "")),
-                       prefill=instance("prefill"), decode=instance("decode"))
+    store = d.get("store")
+    if managed or store:
+        store_path, store_why = Path(need(d, "store", "")), ""
+    else:
+        store_path, store_why = None, STORE_NOT_VISIBLE
+    return ClusterInfo(name=name, model=str(model), store=store_path, prefill=instance(p_key),
+                       decode=instance(d_key), endpoint=d.get("endpoint"), store_unobservable=store_why,
+                       instances=all_infos)
 
 
-def load_cluster_info(name: str) -> ClusterInfo:
-    """The named cluster's ClusterInfo. Raises BadInput for an unknown cluster."""
-    return cluster_info(load_cluster(name))
+def load_cluster_info(name: str, *, prefill: str | None = None, decode: str | None = None) -> ClusterInfo:
+    """The named cluster's ClusterInfo. Raises BadInput for an unknown cluster or instance."""
+    return cluster_info(load_cluster(name), prefill=prefill, decode=decode)
