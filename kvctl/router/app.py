@@ -137,7 +137,8 @@ class Router:
                                               timeout=aiohttp.ClientTimeout(total=None))
         await check_all(self.session, self.instances, self.config.health_timeout_s)
         for inst in self.instances:
-            log_change(inst)
+            if not inst.healthy:  # a change to healthy was logged by the check itself
+                log_change(inst)
         self._health_task = asyncio.create_task(run_health_checks(
             self.session, self.instances, self.config.health_interval_s, self.config.health_timeout_s))
         try:
@@ -217,6 +218,7 @@ class Router:
         rec.prefill_ms = _ms(sent)
         self.metrics.observe(self.metrics.prefill, rec.prefill_ms / 1000, instance=inst.name)
         if 400 <= resp.status < 500:
+            rec.error = f"prefill answered {resp.status}: {_snippet(answer)}"
             return web.Response(status=resp.status, body=answer, headers={**_relayed(resp), **headers})
         if not 200 <= resp.status < 300:
             raise self._bad_status(inst, resp.status, answer)
@@ -236,6 +238,7 @@ class Router:
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     raise self._failed(inst, e) from None
                 if 400 <= resp.status < 500:
+                    rec.error = f"decode answered {resp.status}: {_snippet(answer)}"
                     return web.Response(status=resp.status, body=answer, headers={**_relayed(resp), **headers})
                 raise self._bad_status(inst, resp.status, answer)
             return await self._relay(request, inst, resp, rec, headers, sent)
