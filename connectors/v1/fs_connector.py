@@ -1,0 +1,515 @@
+"""FSConnector for vLLM V1: whole-prompt KV through a shared directory, in the V0 store format.
+
+One entry per (prompt, TP rank), token-major, keyed on the whole prompt
+(connectors.store.format; identity rules: connectors.v1.transfer). Prefix
+caching and chunked prefill stay on; block sizes may differ between P and D.
+
+Scheduler side (one instance, in the engine core):
+
+- `get_num_new_matched_tokens`: for a new prefill, find a valid entry for
+  every TP rank (V1 producers' KV-only entries first, then V0 producers'),
+  verified in full before anything is promised (header, checksum, stored
+  token ids), so the worker never meets a bad entry it already counted on.
+  Offers ``prompt_len - 1 - local prefix hit`` tokens (V1 computes the last
+  prompt token itself). An invalid entry is removed so P publishes it again.
+- `update_state_after_alloc`: records the load (positions [local hit,
+  local hit + offered)) or why nothing is loaded.
+- `build_connector_meta`: per step, the loads and skips recorded above and,
+  on a producer, a save for every request whose prompt's last token is
+  computed in this step (the last chunk under chunked prefill; tokens from
+  the local prefix cache are in the paged cache too), with its block ids.
+- `request_finished`: forgets the request; blocks are freed at once (saves
+  are synchronous).
+
+Worker side (one instance per worker):
+
+- `register_kv_caches`: picks the layout adapter (connectors.v1.kv_layout)
+  from the attention backend and the cache's shape; the CPU page layout is
+  probed from vLLM's own cache-write kernel.
+- `start_load_kv`: loads each entry (checked again: checksum, tokens) and
+  scatters positions [start, end) into the request's slots, before the
+  forward pass. A failure here (the entry vanished or changed since the
+  scheduler checked it) is reported to vLLM as failed blocks, and vLLM's
+  `kv_load_failure_policy` decides (recompute or fail the request).
+- `wait_for_save`: after the forward pass, gathers every layer's KV of each
+  completed prompt and publishes it (atomic; nothing for a prompt already
+  stored).
+
+Log lines (INFO, "vllm.kvctl.fs_connector"; operators grep the substrings):
+
+    P  [rank0]: KV send DONE. key=<hex> tokens=<T> bytes=<n> ms=<f> gather_ms=<f>
+    D  [rank0]: KV load DONE. req=<id> key=<hex> prompt_tokens=<T> loaded=<n> computed=<c> prefix_cached=<p> bytes=<n> ms=<f>
+    D  [rank0]: KV load NONE. req=<id> key=<hex> prompt_tokens=<T> loaded=0 computed=<c> prefix_cached=<p> reason=<why>
+    D  [rank0]: KV load FAILED. req=<id> key=<hex> ... reason=<why>
+
+``prompt_tokens = prefix_cached + loaded + computed``; ``key`` is the entry
+this rank loaded (or would have).
+
+Config (``kv_connector_extra_config``, connectors.config.validate):
+``fs_storage_path``, ``fsync``, ``model_id``, ``max_bytes``, ``ttl_seconds``.
+Refused at start-up: prompt embeddings, pipeline parallelism, a quantized
+(fp8) KV cache, models with several KV cache groups (hybrid / sliding
+window), attention backends with no layout adapter. Requests with a LoRA
+adapter or multimodal inputs, and prompt-logprobs requests on D, are never
+loaded (and the first two never stored), with the reason logged.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from connectors.config.validate import ConfigError, ConfigProblem, parse_fs_settings
+from connectors.logs import get_logger
+from connectors.store import format as fmt
+from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
+from connectors.store.model_identity import ModelIdentityError
+from connectors.v0.served_model import served_model_identity, unkeyable_input_problems
+from connectors.v1 import transfer
+from connectors.v1.kv_layout import UnsupportedLayout, ordered_layers, select_layout
+from connectors.v1.transfer import LoadSpec, SaveSpec, Skip, StepPlan
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = get_logger(__name__)
+
+SEND_LINE = "[rank%d]: KV send DONE."
+LOAD_LINE = "[rank%d]: KV load DONE."
+NO_LOAD_LINE = "[rank%d]: KV load NONE."
+LOAD_FAILED_LINE = "[rank%d]: KV load FAILED."
+FAILURE_LOG_INTERVAL_S = 30.0  # a burst of identical send failures logs once per interval
+
+
+@dataclass
+class FSConnectorMetadata(StepPlan, KVConnectorMetadata):
+    """What every worker loads, saves and reports in one step (connectors.v1.transfer.StepPlan)."""
+
+
+@dataclass
+class _Pending:
+    """A prefill the scheduler has decided about, until its step's metadata is built."""
+
+    request: "Request"
+    check: transfer.EntryCheck | None  # the store lookup (None: not looked up)
+    start: int  # the local prefix hit the scheduler offered tokens beyond
+    end: int  # start + tokens loaded (= start: nothing is loaded)
+    reason: str = ""  # why nothing is loaded, when nothing is
+
+
+class FSConnector(KVConnectorBase_V1):
+    """Whole-prompt KV through a shared filesystem path (V1), in the V0 store format."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        kv_config = self._kv_transfer_config
+        model_config, parallel = vllm_config.model_config, vllm_config.parallel_config
+        try:
+            self.settings = parse_fs_settings(kv_config.kv_connector_extra_config or {})
+            problems = _unsupported(vllm_config, kv_cache_config) + unkeyable_input_problems(model_config)
+            if problems:
+                raise ConfigError(problems)
+            self.root = _resolve_store_path(self.settings.fs_storage_path)
+            self.model_id, described = _model_identity(model_config, self.settings.model_id)
+        except ConfigError as e:
+            logger.error("FSConnector: cannot start:\n%s", e)
+            raise
+        self.is_producer = kv_config.is_kv_producer
+        self.is_consumer = kv_config.is_kv_consumer
+        self.store = FSStore(self.root, fsync=self.settings.fsync, max_bytes=self.settings.max_bytes,
+                             ttl_seconds=self.settings.ttl_seconds)
+        self.block_size = _manager_block_size(vllm_config, kv_cache_config)
+        self.tp_size = parallel.tensor_parallel_size
+        self.tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
+        self.model_dtype = model_config.dtype
+        # The identity of this rank's entries as a V0 producer would write them;
+        # V1 producers write its KV-only form (connectors.v1.transfer).
+        self.identity = fmt.KVIdentity(
+            model=self.model_id, num_layers=model_config.get_num_layers(parallel), kv_parts=2,
+            kv_heads=model_config.get_num_kv_heads(parallel), head_size=model_config.get_head_size(),
+            dtype=dtype_tag(model_config.dtype), tp_rank=self.tp_rank, tp_size=self.tp_size)
+        # scheduler side
+        self._asked: dict[str, tuple[int, transfer.EntryCheck | None, str]] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._prompts: dict[str, "Request"] = {}
+        # worker side
+        self._layers: list[tuple[str, torch.Tensor]] = []
+        self._layout = None
+        self._load_errors: set[int] = set()
+        self._last_failure: tuple[str, float] = ("", 0.0)
+        self._suppressed = 0
+        if role == KVConnectorRole.SCHEDULER:
+            logger.info("FSConnector (V1) ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
+                        "head_size=%d dtype=%s block_size=%d tp_size=%d fsync=%s", kv_config.kv_role,
+                        self.root, self.model_id, self.identity.num_layers, self.identity.kv_heads,
+                        self.identity.head_size, self.identity.dtype, self.block_size, self.tp_size,
+                        self.settings.fsync)
+            logger.info("FSConnector model identity: %s; weights: %s", self.model_id, described)
+
+    # ================================================================ scheduler side
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        """Prompt tokens the store provides beyond `num_computed_tokens` (never the last one). Loads are synchronous."""
+        if not self.is_consumer:
+            return 0, False
+        req_id = request.request_id
+        tokens = request.prompt_token_ids or []
+        refusal = _refusal(request, loading=True)
+        check = None
+        if refusal:
+            reason = refusal
+        elif transfer.tokens_to_load(len(tokens), num_computed_tokens) == 0:
+            reason = (f"local prefix cache holds {num_computed_tokens} of {len(tokens)} prompt tokens"
+                      if num_computed_tokens else f"prompt of {len(tokens)} token")
+        else:
+            previous = self._asked.get(req_id)
+            check = previous[1] if previous is not None and previous[1] is not None else self._find(tokens)
+            reason = check.reason
+        self._asked[req_id] = (num_computed_tokens, check, reason)
+        if check is None or not check.found:
+            return 0, False
+        return transfer.tokens_to_load(len(tokens), num_computed_tokens), False
+
+    def _find(self, tokens: list[int]) -> transfer.EntryCheck:
+        identity = transfer.rank_identity(self.identity, 0)
+        check = transfer.find_entry(self.root, identity, tokens, self.tp_size)
+        for error in check.corrupt:
+            _remove_corrupt(self.store, error)
+        return check
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        req_id = request.request_id
+        if self.is_producer:
+            self._prompts[req_id] = request
+        asked = self._asked.pop(req_id, None)
+        if asked is None:
+            return  # not a fresh prefill (vLLM asks only those)
+        start, check, reason = asked
+        if num_external_tokens:
+            reason = ""
+        elif not reason:
+            reason = f"vLLM took no tokens from the store (local prefix cache holds {start})"
+        self._pending[req_id] = _Pending(request, check, start, start + num_external_tokens, reason)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        plan = FSConnectorMetadata(block_size=self.block_size)
+        blocks = scheduler_output.kv_connector_block_state
+        for req_id, pending in self._pending.items():
+            tokens = list(pending.request.prompt_token_ids or [])
+            if pending.end > pending.start:
+                plan.loads.append(LoadSpec(
+                    req_id=req_id, token_ids=tokens, kv_only=transfer.is_kv_only(pending.check.identity),
+                    block_ids=list(_block_ids(blocks, req_id)), start=pending.start, end=pending.end))
+            else:
+                kv_only = pending.check.kv_only if pending.check is not None else True
+                plan.skips.append(Skip(req_id=req_id, token_ids=tokens, kv_only=kv_only,
+                                       prefix_cached=pending.start, reason=pending.reason))
+        self._pending.clear()
+        if self.is_producer:
+            for req_id, num_computed, prompt in self._scheduled(scheduler_output):
+                scheduled = scheduler_output.num_scheduled_tokens.get(req_id, 0)
+                if prompt is None or not transfer.prompt_completes(num_computed, scheduled, len(prompt)):
+                    continue
+                request = self._prompts.get(req_id)
+                refusal = _refusal(request, loading=False) if request is not None else ""
+                if refusal:
+                    logger.info("[rank0]: KV not sent for request %s (%d tokens): %s", req_id,
+                                len(prompt), refusal)
+                    continue
+                plan.saves.append(SaveSpec(req_id=req_id, token_ids=list(prompt),
+                                           block_ids=list(_block_ids(blocks, req_id))))
+        return plan
+
+    def _scheduled(self, scheduler_output: "SchedulerOutput"):
+        """(req_id, tokens computed before this step, prompt token ids) of every scheduled request."""
+        for new in scheduler_output.scheduled_new_reqs:
+            yield new.req_id, new.num_computed_tokens, new.prompt_token_ids
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            request = self._prompts.get(req_id)
+            prompt = request.prompt_token_ids if request is not None else None
+            yield req_id, cached.num_computed_tokens[i], prompt
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._prompts.pop(req_id, None)
+        self._asked.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        return False, None
+
+    # ================================================================ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        """Bind the layers (model order) and the layout adapter. Raises UnsupportedLayout, ValueError."""
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        layers = ordered_layers(kv_caches, extract_layer_index)
+        if len(layers) != self.identity.num_layers:
+            raise ValueError(f"FSConnector: got KV caches for {len(layers)} layers, the model has "
+                             f"{self.identity.num_layers}")
+        name, cache = layers[0]
+        tag = dtype_tag(cache.dtype)
+        if tag != self.identity.dtype:
+            raise ValueError(f"FSConnector: KV cache dtype {tag} is not the model dtype {self.identity.dtype}")
+        backend = _backend_name(self._vllm_config, name)
+        try:
+            layout = select_layout(cache, backend, kv_heads=self.identity.kv_heads,
+                                   head_size=self.identity.head_size,
+                                   cpu_writer=_cpu_writer(self._vllm_config, name))
+        except UnsupportedLayout as e:
+            logger.error("FSConnector: cannot start: %s", e)
+            raise
+        for other_name, other in layers[1:]:
+            if other.shape != cache.shape or other.dtype != cache.dtype:
+                raise UnsupportedLayout(f"FSConnector: layer {other_name} has cache {list(other.shape)} "
+                                        f"{other.dtype}, layer {name} {list(cache.shape)} {cache.dtype}")
+        self._layers, self._layout = layers, layout
+        logger.info("FSConnector layout: %s (attention backend %s, cache %s %s, kernel block %d, "
+                    "manager block %d), identity %s", layout.name, backend, list(cache.shape),
+                    cache.dtype, layout.g.block_size, self.block_size, self.identity)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        plan = self._get_connector_metadata()
+        if not isinstance(plan, FSConnectorMetadata):
+            return
+        for skip in plan.skips:
+            key = fmt.compute_key(self._rank_identity(skip.kv_only), skip.token_ids)
+            total = len(skip.token_ids)
+            logger.info(NO_LOAD_LINE + " req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
+                        "prefix_cached=%d reason=%s", self.tp_rank, skip.req_id, key, total,
+                        total - skip.prefix_cached, skip.prefix_cached, skip.reason)
+        for load in plan.loads:
+            self._load(load, plan.block_size)
+
+    def _load(self, load: LoadSpec, block_size: int) -> None:
+        identity = self._rank_identity(load.kv_only)
+        key = fmt.compute_key(identity, load.token_ids)
+        total, count = len(load.token_ids), load.end - load.start
+        start_t = time.perf_counter()
+        device = self._layers[0][1].device
+        try:
+            entry = self.store.load(identity, load.token_ids, "cpu")
+            slots = torch.tensor(transfer.slots_for(load.block_ids, block_size, load.start, load.end),
+                                 dtype=torch.int64, device=device)
+            rows = entry.kv[:, :, load.start:load.end].to(device)
+            caches = [cache for _, cache in self._layers]
+            self._layout.scatter_layers(caches, slots, rows)
+        except (FileNotFoundError, fmt.StoreError, OSError, ValueError) as e:
+            failed = _blocks_of(load.block_ids, block_size, load.start, load.end)
+            self._load_errors.update(failed)
+            if isinstance(e, fmt.EntryCorrupt):
+                _remove_corrupt(self.store, e)
+            why = "miss (entry gone since the scheduler checked it)" if isinstance(e, FileNotFoundError) else (
+                f"token mismatch: {e}" if isinstance(e, TokenMismatch) else f"{type(e).__name__}: {e}")
+            logger.error(LOAD_FAILED_LINE + " req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
+                         "prefix_cached=%d reason=%s; %d blocks reported to vLLM as failed "
+                         "(kv_load_failure_policy decides)", self.tp_rank, load.req_id, key, total,
+                         total - load.start, load.start, why, len(failed))
+            return
+        logger.info(LOAD_LINE + " req=%s key=%s prompt_tokens=%d loaded=%d computed=%d prefix_cached=%d "
+                    "bytes=%d ms=%.1f", self.tp_rank, load.req_id, key, total, count,
+                    total - load.start - count, load.start, entry.num_bytes,
+                    (time.perf_counter() - start_t) * 1e3)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete in start_load_kv
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # every layer is gathered at once in wait_for_save
+
+    def wait_for_save(self):
+        if not self.has_connector_metadata():
+            return
+        plan = self._get_connector_metadata()
+        if not isinstance(plan, FSConnectorMetadata):
+            return
+        for save in plan.saves:
+            self._save(save, plan.block_size)
+
+    def _save(self, save: SaveSpec, block_size: int) -> None:
+        identity = self._rank_identity(kv_only=True)
+        tokens = save.token_ids
+        key = fmt.compute_key(identity, tokens)
+        if self.store.has_entry(key):
+            logger.info(SEND_LINE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)", self.tp_rank,
+                        key, len(tokens))
+            return
+        try:
+            start = time.perf_counter()
+            device = self._layers[0][1].device
+            slots = torch.tensor(transfer.slots_for(save.block_ids, block_size, 0, len(tokens)),
+                                 dtype=torch.int64, device=device)
+            kv = self._layout.gather_layers([cache for _, cache in self._layers], slots)
+            gather_s = time.perf_counter() - start
+            hidden = torch.empty((1, 0), dtype=self.model_dtype)  # KV only (connectors.v1.transfer)
+            result = self.store.save(identity, tokens, kv, hidden)
+        except (OSError, fmt.StoreError, ValueError) as e:
+            self._send_failed(key, e)
+            return
+        logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f", self.tp_rank,
+                    result.key, len(tokens), result.num_bytes, result.seconds * 1e3, gather_s * 1e3)
+
+    def _send_failed(self, key: str, error: Exception) -> None:
+        """Log a failed publish once per burst of the same error (a full disk fails every request)."""
+        kind = f"{type(error).__name__}:{getattr(error, 'errno', '')}"
+        now = time.monotonic()
+        if kind != self._last_failure[0] or now - self._last_failure[1] > FAILURE_LOG_INTERVAL_S:
+            suppressed = self._suppressed
+            logger.error("[rank%d]: KV send FAILED for key=%s: %s (serving continues; nothing "
+                         "published)%s", self.tp_rank, key, error,
+                         f"; {suppressed} similar failures not logged" if suppressed else "")
+            self._last_failure, self._suppressed = (kind, now), 0
+        else:
+            self._suppressed += 1
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._load_errors = self._load_errors, set()
+        return failed
+
+    def _rank_identity(self, kv_only: bool) -> fmt.KVIdentity:
+        own, v0 = transfer.lookup_identities(self.identity)
+        return own if kv_only else v0
+
+
+# ---------------------------------------------------------------- helpers
+
+def _block_ids(blocks, req_id: str) -> list[int]:
+    """The request's block ids in the (only) KV cache group, from the scheduler's block state."""
+    found = blocks.get_block_ids(req_id) if blocks is not None else None
+    if not found:
+        raise RuntimeError(f"FSConnector: no block ids for scheduled request {req_id}")
+    return found[0]
+
+
+def _blocks_of(block_ids: list[int], block_size: int, start: int, end: int) -> set[int]:
+    return set(block_ids[start // block_size:math.ceil(end / block_size)])
+
+
+def _refusal(request: "Request", *, loading: bool) -> str:
+    """Why a request's KV must not come from (or go to) the store by token ids alone; "" if it may."""
+    if request.prompt_token_ids is None or getattr(request, "prompt_embeds", None) is not None:
+        return "prompt embeddings (no token ids to key on)"
+    if getattr(request, "lora_request", None) is not None:
+        return f"LoRA adapter {request.lora_request.lora_name!r} (its KV depends on the adapter)"
+    if getattr(request, "mm_features", None):
+        return "multimodal inputs (their KV depends on more than token ids)"
+    if loading:
+        params = getattr(request, "sampling_params", None)
+        if params is not None and getattr(params, "prompt_logprobs", None) is not None:
+            return "prompt_logprobs requested (needs every position computed)"
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return "the request skips cached prefixes"
+    return ""
+
+
+def _remove_corrupt(store: FSStore, error: fmt.EntryCorrupt) -> None:
+    """Delete an entry proven invalid so the producer publishes it again (best effort, logged)."""
+    try:
+        if store.remove_corrupt(error):
+            logger.warning("FSConnector: removed corrupt entry %s: %s", error.path.name, error.reason)
+    except OSError:
+        pass
+
+
+def _tp_rank() -> int:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def _manager_block_size(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> int:
+    """The KV cache manager's block size: block ids and slots are in these blocks."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if groups:
+        return groups[0].kv_cache_spec.block_size
+    return vllm_config.cache_config.block_size
+
+
+def _backend_name(vllm_config: "VllmConfig", layer_name: str) -> str:
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    backend = getattr(layer, "attn_backend", None)
+    return backend.get_name() if backend is not None else "unknown"
+
+
+def _cpu_writer(vllm_config: "VllmConfig", layer_name: str):
+    """The CPU attention backend's cache write (its page layout is probed from it), or None off CPU."""
+    layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+    isa = getattr(layer, "isa", None)
+    if isa is None:
+        return None
+    from vllm import _custom_ops as ops
+
+    def write(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+        blocks, heads, n, _ = cache.shape
+        key_cache, value_cache = cache.view(blocks, heads, 2 * n, -1).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slots, isa,
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+
+    return write
+
+
+def _unsupported(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> list[ConfigProblem]:
+    """Start-up problems: settings under which whole-prompt entries cannot be read or written."""
+    problems = []
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        problems.append(ConfigProblem("--pipeline-parallel-size", "FSConnector supports tensor "
+                                      "parallelism only", "use --pipeline-parallel-size 1"))
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        problems.append(ConfigProblem("--kv-cache-dtype", f"KV cache dtype {cache_dtype}: FSConnector "
+                                      "stores KV in the model dtype only", "use --kv-cache-dtype auto"))
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    if len(groups) > 1:
+        problems.append(ConfigProblem("--model", f"the model has {len(groups)} KV cache groups (hybrid or "
+                                      "sliding-window attention); FSConnector handles one",
+                                      "serve a model with full attention in every layer"))
+    return problems
+
+
+def _model_identity(model_config, model_id: str | None) -> tuple[str, str]:
+    """served_model_identity, its failure as a start-up ConfigError naming vLLM's --model."""
+    try:
+        return served_model_identity(model_config, model_id)
+    except ModelIdentityError as e:
+        problems = [ConfigProblem("--model", e.message, e.fix)]
+        raise ConfigError(problems) from e
+
+
+def _resolve_store_path(path: str) -> Path:
+    """Absolute store dir (relative to the server's cwd), created if needed. Raises ConfigError."""
+    root = Path(path).expanduser()
+    if not root.is_absolute():
+        root = Path.cwd() / root
+    where = "$.kv_connector_extra_config.fs_storage_path"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError([ConfigProblem(where, f"cannot create store directory {root}: {e.strerror}",
+                                         "point fs_storage_path at a directory this server can create "
+                                         "and write")]) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError([ConfigProblem(where, f"store directory {root} is not writable by this server",
+                                         "fix the directory's permissions or choose another fs_storage_path")])
+    return root

@@ -1,0 +1,213 @@
+"""What FSConnector (V1) loads and saves, decided without vLLM.
+
+Entries without a hidden state. V1 computes at least the last prompt token
+on the decode instance, so a V1 producer stores the prompt's KV only: its
+``hidden`` tensor is ``[1, 0]`` (one row, no columns; the format allows it)
+and its identity's `model` ends in ``;hidden=none``. That suffix changes the
+key, so:
+
+- a V0 decode, which needs the last token's hidden state, looks up the key
+  of its own identity and never finds a V1 entry: a plain miss (it
+  recomputes and logs "miss"), never a zero-width hidden state, and it never
+  deletes the V1 entry as corrupt;
+- a V1 decode looks up both keys, its own first, then the V0 producer's
+  (same identity without the suffix), so V0 P -> V1 D works: the V0 entry's
+  KV is used and its hidden state ignored.
+
+Everything else in the identity is the V0 rule (connectors.store.format):
+model (weights + serving settings, connectors.v0.served_model), layers,
+kv_parts, kv_heads and head_size per TP rank, KV dtype, TP rank and size.
+The block size is not in it: entries are token-major.
+
+Full prompts only: an entry holds every prompt token, keyed on all of them,
+as V0 does. The decode side loads ``prompt_len - 1`` tokens at most (V1 must
+compute the last one) and never those its own prefix cache already holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from connectors.store import format as fmt
+
+KV_ONLY_SUFFIX = ";hidden=none"  # appended to `model` in the identity of entries with no hidden state
+
+
+def kv_only_identity(identity: fmt.KVIdentity) -> fmt.KVIdentity:
+    """The identity of an entry that holds KV only (what a V1 producer writes)."""
+    if identity.model.endswith(KV_ONLY_SUFFIX):
+        return identity
+    return dataclasses.replace(identity, model=identity.model + KV_ONLY_SUFFIX)
+
+
+def is_kv_only(identity: fmt.KVIdentity) -> bool:
+    return identity.model.endswith(KV_ONLY_SUFFIX)
+
+
+def lookup_identities(identity: fmt.KVIdentity) -> tuple[fmt.KVIdentity, fmt.KVIdentity]:
+    """The identities a V1 reader tries, in order: V1 producers' (KV only), then V0 producers'."""
+    base = dataclasses.replace(identity, model=identity.model.removesuffix(KV_ONLY_SUFFIX))
+    return kv_only_identity(base), base
+
+
+def rank_identity(identity: fmt.KVIdentity, tp_rank: int) -> fmt.KVIdentity:
+    return dataclasses.replace(identity, tp_rank=tp_rank)
+
+
+@dataclass(frozen=True)
+class EntryCheck:
+    """The scheduler's verdict on one prompt's entries (one per TP rank)."""
+
+    identity: fmt.KVIdentity | None  # the identity (rank 0) whose entries are valid; None: none is
+    key: str  # rank 0's key of that identity, else of the one `reason` is about
+    reason: str  # "" when found; else why nothing is loaded (miss, corrupt: ..., ...)
+    kv_only: bool = True  # `key` is of the KV-only identity (a V1 producer's entry)
+    corrupt: tuple[fmt.EntryCorrupt, ...] = ()  # entries proven invalid (the caller removes them)
+
+    @property
+    def found(self) -> bool:
+        return self.identity is not None
+
+
+def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int]) -> None:
+    """Verify the entry of `identity` for exactly these tokens without loading it (rules 0-7, 9-11).
+
+    Reads the header, streams the data section through the checksum (bounded
+    memory) and compares the stored token ids with the prompt's. Raises
+    FileNotFoundError (miss), EntryCorrupt (invalid: the entry should be
+    removed), TokensDiffer (other tokens under this key),
+    OSError (cannot be read).
+    """
+    raw = fmt.token_bytes(token_ids)
+    key = fmt.key_from_token_bytes(identity, raw)
+    path = fmt.entry_path(root, key)
+    with fmt.open_entry(path) as (f, _):
+        header = fmt.parse_header(path, f)
+        if header.identity != identity:
+            raise fmt.EntryCorrupt(path, f"identity {header.identity} != expected {identity}")
+        if header.num_tokens != len(raw) // 8:
+            raise fmt.EntryCorrupt(path, f"holds {header.num_tokens} tokens, the prompt has {len(raw) // 8}")
+        begin, end = header.span("token_ids")
+        stored = _pread(f, header.data_start + begin, end - begin)
+        if stored != raw:
+            raise TokensDiffer(f"{path.name}: stored token ids differ from the prompt's")
+        fmt.verify_data(path, f, header)
+
+
+class TokensDiffer(fmt.StoreError):
+    """An entry under the prompt's key holds other token ids (collision or tampering): never served."""
+
+
+def _pread(f, offset: int, n: int) -> bytes:
+    data = os.pread(f.fileno(), n, offset)
+    while len(data) < n:
+        more = os.pread(f.fileno(), n - len(data), offset + len(data))
+        if not more:
+            break
+        data += more
+    return data
+
+
+def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int) -> EntryCheck:
+    """The first identity (lookup_identities order) whose entries for every TP rank are valid.
+
+    Never raises: a miss, an invalid entry, other tokens or a read error is
+    a reason. Invalid entries are returned in `corrupt` for removal.
+    """
+    reasons, corrupt = [], []
+    for candidate in lookup_identities(identity):
+        key = fmt.compute_key(candidate, token_ids)
+        problem = None
+        for rank in range(tp_size):
+            ranked = rank_identity(candidate, rank)
+            try:
+                check_entry(root, ranked, token_ids)
+            except FileNotFoundError:
+                problem = "miss"
+            except fmt.EntryCorrupt as e:
+                corrupt.append(e)
+                problem = f"corrupt: {e.reason}"
+            except TokensDiffer:
+                problem = "token mismatch"
+            except OSError as e:
+                problem = f"unreadable: {e.strerror or e}"
+            if problem:
+                if tp_size > 1:
+                    problem += f" (tp rank {rank})"
+                break
+        if problem is None:
+            return EntryCheck(candidate, key, "", is_kv_only(candidate), tuple(corrupt))
+        reasons.append((key, problem, is_kv_only(candidate), rank))
+    # Report the most telling reason: a damaged entry over a miss, a partial miss over a plain one.
+    key, reason, kv_only, _ = min(reasons, key=lambda r: (r[1].startswith("miss"), -r[3]))
+    return EntryCheck(None, key, reason, kv_only, tuple(corrupt))
+
+
+def tokens_to_load(prompt_len: int, num_computed: int) -> int:
+    """How many prompt tokens a V1 reader loads beyond `num_computed` (its local prefix cache hit).
+
+    All but the last prompt token (V1 computes at least one token itself),
+    never fewer than zero.
+    """
+    return max(0, prompt_len - 1 - num_computed)
+
+
+def prompt_completes(num_computed: int, num_scheduled: int, prompt_len: int) -> bool:
+    """This step computes the prompt's last token (chunked prefill: the last chunk)."""
+    return num_computed < prompt_len <= num_computed + num_scheduled
+
+
+def slots_for(block_ids: Sequence[int], block_size: int, start: int, end: int) -> list[int]:
+    """Cache slots (block_id * block_size + offset) of prompt positions [start, end)."""
+    if end > len(block_ids) * block_size:
+        raise ValueError(f"positions up to {end} need {-(-end // block_size)} blocks of {block_size}, "
+                         f"the request has {len(block_ids)}")
+    return [block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)]
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+
+@dataclass
+class LoadSpec:
+    """Load prompt positions [start, end) of one request's entry into its blocks."""
+
+    req_id: str
+    token_ids: list[int]  # the whole prompt
+    kv_only: bool  # the entry is a V1 producer's (KV only); else a V0 producer's
+    block_ids: list[int]
+    start: int  # = tokens the local prefix cache already held
+    end: int  # start + tokens loaded; at most len(token_ids) - 1
+
+
+@dataclass
+class SaveSpec:
+    """Store one request's whole prompt (its KV is complete once this step's forward ran)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class Skip:
+    """A prefill that loads nothing, and why (the worker logs it with its own key)."""
+
+    req_id: str
+    token_ids: list[int]
+    kv_only: bool  # which identity the key in the log line is of
+    prefix_cached: int
+    reason: str
+
+
+@dataclass
+class StepPlan:
+    """FSConnector's per-step metadata: what each worker loads, saves and reports."""
+
+    block_size: int  # the KV cache manager's block size (slots are in its blocks)
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    skips: list[Skip] = field(default_factory=list)

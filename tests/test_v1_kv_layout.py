@@ -1,0 +1,187 @@
+"""V1 paged-cache adapters on plain CPU tensors: slot semantics, strides, block sizes, the CPU page probe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, UnsupportedLayout
+from connectors.v1.kv_layout import (
+    PagedCPULayout,
+    SplitChannelLayout,
+    ordered_layers,
+    probe_page_positions,
+    select_layout,
+)
+from connectors.v1.transfer import slots_for
+
+H, D = 2, 32
+
+
+def token_kv(tokens: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    """[2, tokens, heads, head_size] of distinct values."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, tokens, H, D, generator=g).to(dtype)
+
+
+def vec_writer(key, value, cache, slots):
+    """What vLLM's CPU "vec" kernel does (checked against the real kernel in test_v1_vllm):
+    per (block, head) page, K as [head_size, N] then V as [N, head_size]."""
+    n = cache.shape[2]
+    pages = cache.view(cache.shape[0], cache.shape[1], -1)
+    for t, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, n)
+        for h in range(cache.shape[1]):
+            pages[b, h, torch.arange(D) * n + o] = key[t, h]
+            pages[b, h, n * D + o * D + torch.arange(D)] = value[t, h]
+
+
+def blocked_writer(key, value, cache, slots):
+    """A made-up kernel layout (K in 16-token tiles, V transposed), to show the probe assumes nothing."""
+    n = cache.shape[2]
+    pages = cache.view(cache.shape[0], cache.shape[1], -1)
+    for t, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, n)
+        tile, within = divmod(o, 16)
+        for h in range(cache.shape[1]):
+            pages[b, h, tile * 16 * D + torch.arange(D) * 16 + within] = key[t, h]
+            pages[b, h, n * D + torch.arange(D) * n + o] = value[t, h]
+
+
+def cpu_cache(blocks: int, n: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(blocks, H, n, 2 * D, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("writer", [vec_writer, blocked_writer])
+def test_probe_recovers_the_kernels_page_layout_and_gather_reads_what_it_wrote(writer, dtype):
+    n = 32
+    g = CacheGeometry(block_size=n, kv_heads=H, head_size=D)
+    layout = PagedCPULayout(g, *probe_page_positions(writer, g, dtype))
+    cache = cpu_cache(6, n, dtype)
+    slots = torch.tensor([4 * n + 3, 4 * n + 4, 1 * n + 31, 5 * n + 0, 0 * n + 9])
+    kv = token_kv(len(slots), dtype)
+    writer(kv[0], kv[1], cache, slots)  # the kernel writes ...
+    assert torch.equal(layout.gather(cache, slots), kv)  # ... we read the same token-major rows
+    again = cpu_cache(6, n, dtype)
+    layout.scatter(again, slots, kv)  # and our scatter writes exactly what the kernel would
+    assert torch.equal(again, cache)
+
+
+def test_vec_layout_is_what_the_probe_finds_for_the_vec_kernel():
+    g = CacheGeometry(block_size=64, kv_heads=H, head_size=D)
+    key_pos, value_pos = probe_page_positions(vec_writer, g, torch.float32)
+    vec = PagedCPULayout.vec(g)
+    assert torch.equal(key_pos, vec.key_pos) and torch.equal(value_pos, vec.value_pos)
+
+
+def test_probe_refuses_a_kernel_that_is_not_a_per_head_permutation():
+    g = CacheGeometry(block_size=32, kv_heads=H, head_size=D)
+
+    def drops_values(key, value, cache, slots):
+        vec_writer(key, torch.zeros_like(value), cache, slots)
+
+    def swaps_heads(key, value, cache, slots):
+        vec_writer(key.flip(1), value.flip(1), cache, slots)
+
+    with pytest.raises(UnsupportedLayout, match="value"):
+        probe_page_positions(drops_values, g, torch.float32)
+    with pytest.raises(UnsupportedLayout, match="another head"):
+        probe_page_positions(swaps_heads, g, torch.float32)
+
+
+def split_channel_cache(blocks: int, n: int, order=(0, 1, 2, 3)) -> torch.Tensor:
+    """A [blocks, heads, N, 2*head_size] view whose memory is in `order` (as vLLM's KV cache layouts permute)."""
+    logical = (blocks, H, n, 2 * D)
+    physical = torch.zeros([logical[i] for i in order])
+    inverse = [order.index(i) for i in range(4)]
+    return physical.permute(*inverse)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2, 3), (0, 2, 1, 3)], ids=["BHNC", "BNHC"])
+def test_split_channel_layout_follows_the_flash_slot_semantics(order):
+    """FLASH_ATTN in vLLM 0.32: kv_cache.transpose(1, 2).split(head_size, -1) gives K and V of [b, n, h]."""
+    n = 16
+    cache = split_channel_cache(5, n, order)
+    layout = select_layout(cache, "FLASH_ATTN", kv_heads=H, head_size=D)
+    assert isinstance(layout, SplitChannelLayout)
+    slots = torch.tensor([3 * n + 1, 0 * n + 15, 4 * n + 7])
+    kv = token_kv(3)
+    layout.scatter(cache, slots, kv)
+    key_cache, value_cache = cache.transpose(1, 2).split(D, dim=-1)  # what the backend reads
+    for t, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, n)
+        assert torch.equal(key_cache[b, o], kv[0, t]) and torch.equal(value_cache[b, o], kv[1, t])
+    assert torch.equal(layout.gather(cache, slots), kv)
+    assert cache.count_nonzero() == kv.count_nonzero()
+
+
+def test_earlier_v1_flash_layout_is_read_like_v0s():
+    n = 16
+    cache = torch.zeros(2, 4, n, H, D)
+    layout = select_layout(cache, "FLASH_ATTN", kv_heads=H, head_size=D)
+    assert isinstance(layout, FlashAttentionLayout)
+    slots = torch.tensor([2 * n + 5, 3 * n + 0])
+    kv = token_kv(2)
+    layout.scatter(cache, slots, kv)
+    assert torch.equal(cache[0, 2, 5], kv[0, 0]) and torch.equal(cache[1, 3, 0], kv[1, 1])
+    assert torch.equal(layout.gather(cache, slots), kv)
+
+
+def test_manager_slots_address_kernel_blocks_when_vllm_splits_blocks():
+    """Manager block 64 over 32-token kernel blocks: manager block b is kernel blocks 2b and 2b+1."""
+    kernel_n, manager_n, tokens = 32, 64, 70
+    block_ids = [3, 1]  # a request's manager blocks
+    kv = token_kv(tokens)
+    cache = cpu_cache(2 * 4, kernel_n)  # 4 manager blocks as 8 kernel blocks
+    layout = PagedCPULayout.vec(CacheGeometry(kernel_n, H, D))
+    layout.scatter(cache, torch.tensor(slots_for(block_ids, manager_n, 0, tokens)), kv)
+    # The kernel, given kernel-block slots (block b's j-th kernel block is 2b + j), writes the same bytes.
+    kernel_slots = [(block_ids[i // manager_n] * 2 + i % manager_n // kernel_n) * kernel_n + i % kernel_n
+                    for i in range(tokens)]
+    expect = cpu_cache(2 * 4, kernel_n)
+    vec_writer(kv[0], kv[1], expect, torch.tensor(kernel_slots))
+    assert torch.equal(cache, expect)
+
+
+@pytest.mark.parametrize("p_block,d_block", [(32, 64), (128, 32), (64, 32)])
+def test_token_major_rows_move_between_block_sizes(p_block, d_block):
+    """P gathers with its block size and block table, D scatters with its own: D's cache reads the same rows."""
+    tokens = 150
+    p_cache, d_cache = cpu_cache(40, p_block), cpu_cache(40, d_block)
+    p_layout, d_layout = PagedCPULayout.vec(CacheGeometry(p_block, H, D)), PagedCPULayout.vec(CacheGeometry(d_block, H, D))
+    p_blocks = list(range(39, 39 - -(-tokens // p_block), -1))
+    d_blocks = [5, 17, 2, 30, 11][: -(-tokens // d_block)]
+    kv = token_kv(tokens)
+    p_layout.scatter(p_cache, torch.tensor(slots_for(p_blocks, p_block, 0, tokens)), kv)
+    stored = p_layout.gather(p_cache, torch.tensor(slots_for(p_blocks, p_block, 0, tokens)))
+    d_slots = torch.tensor(slots_for(d_blocks, d_block, 0, tokens - 1))
+    d_layout.scatter(d_cache, d_slots, stored[:, : tokens - 1])
+    assert torch.equal(d_layout.gather(d_cache, d_slots), kv[:, : tokens - 1])
+
+
+def test_layers_are_gathered_into_one_token_major_tensor():
+    n = 32
+    layout = PagedCPULayout.vec(CacheGeometry(n, H, D))
+    caches = [cpu_cache(3, n), cpu_cache(3, n)]
+    slots = torch.tensor([n + 2, 2 * n + 9])
+    kv = torch.stack([token_kv(2, seed=1), token_kv(2, seed=2)])
+    layout.scatter_layers(caches, slots, kv)
+    assert torch.equal(layout.gather_layers(caches, slots), kv)
+
+
+def test_unknown_backends_and_shapes_are_refused_with_the_shape_named():
+    with pytest.raises(UnsupportedLayout, match=r"'FLASHINFER' with cache shape \[4, 2, 16, 64\]"):
+        select_layout(torch.zeros(4, 2, 16, 2 * D), "FLASHINFER", kv_heads=H, head_size=D)
+    with pytest.raises(UnsupportedLayout, match="TRITON_MLA"):
+        select_layout(torch.zeros(4, 1, 16, 576), "TRITON_MLA", kv_heads=1, head_size=576)
+    with pytest.raises(UnsupportedLayout, match="cache writer"):
+        select_layout(cpu_cache(2, 32), "CPU_ATTN", kv_heads=H, head_size=D)
+
+
+def test_layers_are_ordered_by_model_index():
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(1) for i in (1, 0, 2)}
+    index = lambda name: int(name.split(".")[2])  # noqa: E731
+    assert [n for n, _ in ordered_layers(caches, index)] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
+    with pytest.raises(ValueError, match="indices"):
+        ordered_layers({"a.0": torch.zeros(1), "b.2": torch.zeros(1)}, lambda n: int(n[-1]))
