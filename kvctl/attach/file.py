@@ -182,6 +182,13 @@ def read_attach_file(path: Path) -> AttachFile:
     return parsed
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No anchors or aliases: instances sharing a config each spell it out."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
 def dump_attach_file(data: AttachFile) -> str:
     """The YAML text of an attach file (pools as lists), readable by `read_attach_file`."""
     doc: dict[str, Any] = {}
@@ -197,4 +204,4 @@ def dump_attach_file(data: AttachFile) -> str:
         doc[role] = [{k: v for k, v in (("name", i.name), ("url", i.url), ("log", i.log),
                                          ("kv_transfer_config", i.kv_transfer_config)) if v is not None}
                      for i in data.instances if i.role == role]
-    return yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=100)
+    return yaml.dump(doc, Dumper=_PlainDumper, sort_keys=False, allow_unicode=True, width=100)

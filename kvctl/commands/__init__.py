@@ -7,7 +7,7 @@ import importlib
 import typer
 
 # Areas in the order `kvctl --help` lists them.
-AREAS = ("rig", "model", "cluster", "verify", "store", "validate", "scenario", "bench", "image")
+AREAS = ("rig", "model", "cluster", "attach", "verify", "store", "validate", "scenario", "bench", "image", "render")
 
 
 def register_all(app: typer.Typer) -> None:

@@ -1,0 +1,411 @@
+"""Render a P/D deployment for Kubernetes: manifests plus the attach file, nothing applied.
+
+Layout written by `write_rendered(rendered, DIR)`:
+
+    DIR/manifests/store-pvc.yaml   the store's ReadWriteMany PersistentVolumeClaim (not with
+                                   an existing claim: `store_pvc`)
+    DIR/manifests/prefill.yaml     headless Service + StatefulSet of the prefill pool
+    DIR/manifests/decode.yaml      the same for the decode pool
+    DIR/manifests/router.yaml      the router's Deployment and Service
+    DIR/attach.yaml                `kvctl attach --from-k8s DIR`: URLs, `kubectl logs` sources
+    DIR/port-forward.sh            forwards the router and every pod to this host (the URLs
+                                   attach.yaml names, unless rendered for in-cluster use)
+
+Why StatefulSets, not Deployments or LeaderWorkerSets: every P/D instance here is
+one pod (one vLLM server on `gpus_per_pod` GPUs of one node). A LeaderWorkerSet
+groups several pods into one instance (tensor/pipeline parallel across nodes) and
+needs its controller installed; it buys nothing for one-pod instances. A
+Deployment's pods have random names, but the router takes a fixed list of
+instance URLs and the attach file follows each instance's log by pod name. A
+StatefulSet's pods are `NAME-prefill-0, -1, ...` with stable DNS names through
+its headless Service (`NAME-prefill-0.NAME-prefill:8000`), so the router's
+`--prefill`/`--decode` lists and `kubectl logs pod/NAME-prefill-0` stay right
+across restarts; `podManagementPolicy: Parallel` starts all pods at once.
+
+Every vLLM pod mounts the store claim at the transfer store's path (the same
+path in every pod), gets `gpus_per_pod` `nvidia.com/gpu` (requests = limits),
+probes `/health` (startup: up to STARTUP_S for loading the model; readiness;
+liveness), and runs kvctl.runtime.base's command line and environment with the
+scenario's kv-transfer-config, args and env (default: the seed's multi-connector
+shape, scenarios/seed-replica-gpu.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from connectors.config.topology import fs_storage_paths, transfer_store
+from kvctl.attach.file import AttachFile, AttachFileInstance, dump_attach_file
+from kvctl.errors import BadInput
+from kvctl.runtime.base import ENTRYPOINT_MODULE, InstanceSpec, vllm_server_args, vllm_server_env
+from kvctl.scenario.schema import Scenario, load_scenario
+
+# --- defaults, in one place ---
+DEFAULT_SCENARIO = "seed-replica-gpu"  # the seed's multi-connector P and FSConnector D
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V2-Lite-Chat"  # the seed's model, as a hub id
+DEFAULT_IMAGE = "kvctl-gpu:latest"  # `kvctl image build gpu`; push it where the cluster pulls from
+DEFAULT_STORE_SIZE = "200Gi"
+PORT = 8000  # every pod's server port, and the router's
+WORKDIR = "/workspace"  # the servers' working dir: relative fs_storage_paths resolve here
+STORE_MOUNT = "/kv-store"  # `${store}` in a scenario's configs
+INSTANCE_DIR = "/instance"  # `${instance_dir}`: a per-pod emptyDir
+HF_CACHE = "/root/.cache/huggingface"  # hub downloads (an emptyDir unless model_cache_pvc)
+MODEL_MOUNT = "/models"  # model_pvc, read-only: absolute model paths live under it
+SHM_SIZE = "8Gi"  # /dev/shm (an in-memory emptyDir): vLLM's workers share tensors through it
+STARTUP_S = 1800  # longest a server may take to answer /health (pulling and loading a model)
+PROBE_PERIOD_S = 10
+LOCAL_PORTS = {"router": 18000, "prefill": 18100, "decode": 18200}  # port-forward.sh: base + index
+MAX_POOL = 99  # instances per pool (local ports stay distinct)
+ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+MAX_NAME = 40  # leaves room for "-prefill-99" within Kubernetes' 52/63-character limits
+
+
+@dataclass(frozen=True)
+class K8sSpec:
+    """What to render. Field names are the CLI's option names in snake case."""
+
+    name: str
+    prefill: int = 1
+    decode: int = 1
+    model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # None: the scenario's, else the model's
+    image: str = DEFAULT_IMAGE
+    router_image: str | None = None  # None: `image` (it has kvctl, and the router needs only aiohttp)
+    scenario: str = DEFAULT_SCENARIO  # whose kv-transfer-configs, args and env the pools run
+    namespace: str | None = None  # None: whatever namespace `kubectl apply` uses
+    store_pvc: str | None = None  # an existing ReadWriteMany claim; None: render one
+    store_size: str = DEFAULT_STORE_SIZE
+    storage_class: str | None = None  # None: the cluster's default class (it must offer RWX)
+    gpus_per_pod: int = 1
+    model_pvc: str | None = None  # a claim holding model dirs, mounted read-only at MODEL_MOUNT
+    model_cache_pvc: str | None = None  # a claim for the hub cache, shared by the pods
+    hf_token_secret: str | None = None  # a Secret with key `token`: HF_TOKEN for gated models
+    in_cluster: bool = False  # attach.yaml with in-cluster DNS URLs instead of port-forwarded ones
+    attach_store: str | None = None  # the store as mounted where kvctl runs, for attach.yaml
+
+
+@dataclass
+class RenderedDeployment:
+    spec: K8sSpec
+    manifests: dict[str, list[dict[str, Any]]]  # file name under manifests/ -> its documents
+    attach: AttachFile
+    port_forward: str  # the script's text
+    configs: dict[str, dict]  # role -> its resolved kv-transfer-config
+    store_path: str  # where every vLLM pod mounts the store
+    notes: list[str] = field(default_factory=list)
+
+    def documents(self) -> list[dict[str, Any]]:
+        return [d for docs in self.manifests.values() for d in docs]
+
+
+def _check_spec(spec: K8sSpec) -> None:
+    if not _DNS_LABEL.match(spec.name) or len(spec.name) > MAX_NAME:
+        raise BadInput(f"{spec.name!r} cannot name Kubernetes objects", field="name",
+                       fix=f"use lowercase letters, digits and '-' (at most {MAX_NAME}, starting and ending "
+                           "with a letter or digit)")
+    for field_name in ("prefill", "decode"):
+        count = getattr(spec, field_name)
+        if not 1 <= count <= MAX_POOL:
+            raise BadInput(f"{field_name} pool size must be 1 to {MAX_POOL}, got {count}", field=field_name,
+                           fix="give the number of pods in the pool, e.g. 2")
+    if spec.gpus_per_pod < 0:
+        raise BadInput(f"gpus per pod must be 0 or more, got {spec.gpus_per_pod}", field="gpus_per_pod",
+                       fix="use 1 (tensor parallel: the server's -tp), or 0 for none")
+    if spec.namespace is not None and not _DNS_LABEL.match(spec.namespace):
+        raise BadInput(f"{spec.namespace!r} is not a namespace name", field="namespace",
+                       fix="use lowercase letters, digits and '-'")
+    if spec.model.startswith("/") and spec.model_pvc is None:
+        raise BadInput(f"model {spec.model} is a path, but no claim holds it", field="model",
+                       fix=f"give the claim with the model dirs (mounted at {MODEL_MOUNT}), or a hub id")
+    if spec.model_pvc is not None and spec.model.startswith("/") and not spec.model.startswith(MODEL_MOUNT + "/"):
+        raise BadInput(f"model {spec.model} is not under {MODEL_MOUNT}, where the model claim is mounted",
+                       field="model", fix=f"give its path under {MODEL_MOUNT}/")
+
+
+def _labels(spec: K8sSpec, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvctl-pd", "app.kubernetes.io/instance": spec.name,
+            "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": "kvctl"}
+
+
+def _selector(spec: K8sSpec, component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": component}
+
+
+def _meta(spec: K8sSpec, name: str, component: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": _labels(spec, component)}
+    if spec.namespace:
+        meta["namespace"] = spec.namespace
+    return meta
+
+
+def pool_name(spec: K8sSpec, role: str) -> str:
+    return f"{spec.name}-{role}"
+
+
+def pod_name(spec: K8sSpec, role: str, index: int) -> str:
+    return f"{pool_name(spec, role)}-{index}"
+
+
+def pod_url(spec: K8sSpec, role: str, index: int) -> str:
+    """The pod's URL inside the cluster: its stable name under the pool's headless Service."""
+    return f"http://{pod_name(spec, role, index)}.{pool_name(spec, role)}:{PORT}"
+
+
+def _http_probe(period_s: int, failures: int, timeout_s: int = 5) -> dict[str, Any]:
+    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period_s,
+            "timeoutSeconds": timeout_s, "failureThreshold": failures}
+
+
+def _store_volume(spec: K8sSpec) -> dict[str, Any]:
+    return {"name": "kv-store", "persistentVolumeClaim": {"claimName": spec.store_pvc or f"{spec.name}-kv-store"}}
+
+
+def _server_container(spec: K8sSpec, scenario: Scenario, role: str, config: dict,
+                      store_path: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The vLLM container of `role` and the pod's volumes."""
+    overrides = dict(scenario.role(role).env)
+    if not spec.model.startswith("/"):  # a hub id: the pod downloads it
+        overrides.update({"HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"})
+    ispec = InstanceSpec(
+        cluster=spec.name, role=role, model=Path(spec.model),
+        served_model_name=served_name(spec, scenario), dtype="auto", port=PORT, cwd=Path(WORKDIR),
+        log_path=Path("/dev/stdout"), kv_transfer_config=config, worker_cls=None, host="0.0.0.0",
+        extra_args=tuple(scenario.role(role).args), env=overrides)
+    env = [{"name": k, "value": v} for k, v in vllm_server_env(ispec).items()]
+    if spec.hf_token_secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": spec.hf_token_secret,
+                                                                         "key": "token"}}})
+    mounts = [{"name": "kv-store", "mountPath": store_path}, {"name": "dshm", "mountPath": "/dev/shm"},
+              {"name": "hf-cache", "mountPath": HF_CACHE}]
+    volumes = [_store_volume(spec), {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}},
+               {"name": "hf-cache", **({"persistentVolumeClaim": {"claimName": spec.model_cache_pvc}}
+                                       if spec.model_cache_pvc else {"emptyDir": {}})}]
+    private = sorted({posixpath.normpath(posixpath.join(WORKDIR, p)) for p in fs_storage_paths(config)} - {store_path})
+    for i, path in enumerate(private):  # other FS stores (e.g. an offload child): private to the pod
+        mounts.append({"name": f"fs-private-{i}", "mountPath": path})
+        volumes.append({"name": f"fs-private-{i}", "emptyDir": {}})
+    if INSTANCE_DIR in json.dumps(config) and not any(m["mountPath"] == INSTANCE_DIR for m in mounts):
+        mounts.append({"name": "instance-dir", "mountPath": INSTANCE_DIR})
+        volumes.append({"name": "instance-dir", "emptyDir": {}})
+    if spec.model_pvc:
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+        volumes.append({"name": "models", "persistentVolumeClaim": {"claimName": spec.model_pvc, "readOnly": True}})
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": spec.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", ENTRYPOINT_MODULE],
+        "args": vllm_server_args(ispec, model=spec.model, host="0.0.0.0"),
+        "workingDir": WORKDIR,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "startupProbe": _http_probe(PROBE_PERIOD_S, STARTUP_S // PROBE_PERIOD_S),
+        "readinessProbe": _http_probe(PROBE_PERIOD_S, 3),
+        "livenessProbe": _http_probe(30, 5),
+        "volumeMounts": mounts,
+    }
+    if spec.gpus_per_pod:
+        gpus = {"nvidia.com/gpu": str(spec.gpus_per_pod)}
+        container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
+    return container, volumes
+
+
+def _pool(spec: K8sSpec, scenario: Scenario, role: str, config: dict, store_path: str) -> list[dict[str, Any]]:
+    name = pool_name(spec, role)
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, role),
+        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _selector(spec, role),
+                 "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    container, volumes = _server_container(spec, scenario, role, config, store_path)
+    statefulset = {
+        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, name, role),
+        "spec": {
+            "serviceName": name,
+            "replicas": getattr(spec, role),
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": _selector(spec, role)},
+            "template": {
+                "metadata": {"labels": _labels(spec, role)},
+                "spec": {"terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes},
+            },
+        },
+    }
+    return [service, statefulset]
+
+
+def _router(spec: K8sSpec) -> list[dict[str, Any]]:
+    name = f"{spec.name}-router"
+    args: list[str] = []
+    for role in ("prefill", "decode"):
+        for i in range(getattr(spec, role)):
+            args += [f"--{role}", f"{role}-{i}={pod_url(spec, role, i)}"]
+    args += ["--host", "0.0.0.0", "--port", str(PORT)]
+    container = {
+        "name": "router", "image": spec.router_image or spec.image, "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", "kvctl.router"], "args": args,
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "readinessProbe": _http_probe(5, 3), "livenessProbe": _http_probe(30, 5),
+        "resources": ROUTER_RESOURCES,
+    }
+    deployment = {
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, name, "router"),
+        "spec": {"replicas": 1, "selector": {"matchLabels": _selector(spec, "router")},
+                 "template": {"metadata": {"labels": _labels(spec, "router")},
+                              "spec": {"containers": [container]}}},
+    }
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, "router"),
+        "spec": {"type": "ClusterIP", "selector": _selector(spec, "router"),
+                 "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]},
+    }
+    return [deployment, service]
+
+
+def _store_claim(spec: K8sSpec) -> dict[str, Any]:
+    claim: dict[str, Any] = {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": spec.store_size}}}
+    if spec.storage_class:
+        claim["storageClassName"] = spec.storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+            "metadata": _meta(spec, f"{spec.name}-kv-store", "store"), "spec": claim}
+
+
+def served_name(spec: K8sSpec, scenario: Scenario) -> str:
+    return spec.served_model_name or scenario.served_model_name or spec.model.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _kubectl(spec: K8sSpec) -> str:
+    return "kubectl" + (f" -n {spec.namespace}" if spec.namespace else "")
+
+
+def _attach_file(spec: K8sSpec, scenario: Scenario, configs: dict[str, dict]) -> AttachFile:
+    instances = []
+    for role in ("prefill", "decode"):
+        for i in range(getattr(spec, role)):
+            url = pod_url(spec, role, i) if spec.in_cluster else f"http://127.0.0.1:{LOCAL_PORTS[role] + i}"
+            log = f"cmd:{_kubectl(spec)} logs -f --tail=0 -c vllm pod/{pod_name(spec, role, i)}"
+            instances.append(AttachFileInstance(f"{role}-{i}", role, url, log, configs[role]))
+    endpoint = (f"http://{spec.name}-router:{PORT}" if spec.in_cluster
+                else f"http://127.0.0.1:{LOCAL_PORTS['router']}")
+    return AttachFile(name=spec.name, model=spec.model, served_model_name=served_name(spec, scenario),
+                      endpoint=endpoint, store=spec.attach_store, instances=tuple(instances),
+                      description=f"rendered by kvctl render k8s ({spec.prefill}P{spec.decode}D, scenario "
+                                  f"{spec.scenario})")
+
+
+def _port_forward(spec: K8sSpec) -> str:
+    kubectl = _kubectl(spec)
+    lines = ["#!/bin/sh",
+             f"# Forwards the router and every pod of {spec.name!r} to this host, at the URLs attach.yaml names.",
+             "# Run it in its own terminal; Ctrl-C stops every forward.",
+             "set -eu",
+             "trap 'kill $(jobs -p) 2>/dev/null' INT TERM EXIT",
+             f"{kubectl} port-forward svc/{spec.name}-router {LOCAL_PORTS['router']}:{PORT} &"]
+    for role in ("prefill", "decode"):
+        for i in range(getattr(spec, role)):
+            lines.append(f"{kubectl} port-forward pod/{pod_name(spec, role, i)} {LOCAL_PORTS[role] + i}:{PORT} &")
+    lines.append("wait")
+    return "\n".join(lines) + "\n"
+
+
+def render_k8s(spec: K8sSpec) -> RenderedDeployment:
+    """The manifests, attach file and port-forward script for `spec`. Writes nothing.
+
+    Raises BadInput for a name Kubernetes refuses, pool sizes out of range, a
+    model path no claim holds, or a scenario kvctl cannot load (its problems
+    listed).
+    """
+    _check_spec(spec)
+    scenario = load_scenario(spec.scenario)
+    raw = {role: scenario.resolved_config(role, STORE_MOUNT, INSTANCE_DIR) for role in ("prefill", "decode")}
+    p_store, d_store = transfer_store(raw["prefill"], "send"), transfer_store(raw["decode"], "recv")
+    if p_store is None or d_store is None or _abs(p_store) != _abs(d_store):
+        raise BadInput(f"scenario {scenario.name}: P's transfer store {p_store!r} and D's {d_store!r} are not one "
+                       "directory", field="scenario",
+                       fix="use a scenario whose P and D name the same fs_storage_path (e.g. '${store}')")
+    store_path = _abs(p_store)
+    manifests: dict[str, list[dict[str, Any]]] = {}
+    if spec.store_pvc is None:
+        manifests["store-pvc.yaml"] = [_store_claim(spec)]
+    for role in ("prefill", "decode"):
+        manifests[f"{role}.yaml"] = _pool(spec, scenario, role, raw[role], store_path)
+    manifests["router.yaml"] = _router(spec)
+    notes = []
+    if spec.image == DEFAULT_IMAGE:
+        notes.append(f"image {DEFAULT_IMAGE} is what `kvctl image build gpu` tags locally: push it to a registry "
+                     "the cluster pulls from and render with that image")
+    if spec.attach_store is None:
+        notes.append("attach.yaml has no store: the store check is reported as not observable unless the "
+                     "store volume is mounted where kvctl runs (then set store: in attach.yaml)")
+    return RenderedDeployment(spec=spec, manifests=manifests, attach=_attach_file(spec, scenario, raw),
+                              port_forward=_port_forward(spec), configs=raw, store_path=store_path, notes=notes)
+
+
+def _abs(path: str) -> str:
+    return posixpath.normpath(posixpath.join(WORKDIR, path))
+
+
+class _PlainDumper(yaml.SafeDumper):
+    """YAML without anchors and aliases: each manifest reads on its own."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def manifest_text(docs: list[dict[str, Any]]) -> str:
+    return yaml.dump_all(docs, Dumper=_PlainDumper, sort_keys=False, default_flow_style=False, width=120)
+
+
+def write_rendered(rendered: RenderedDeployment, out: Path) -> list[Path]:
+    """Write the deployment under `out` (created); returns the files written.
+
+    Files kvctl did not render are left alone; rendered ones are replaced.
+    Raises BadInput when `out` cannot be written.
+    """
+    out = Path(out)
+    files = {f"manifests/{name}": manifest_text(docs) for name, docs in rendered.manifests.items()}
+    spec = rendered.spec
+    header = (f"# kvctl attach --from-k8s {out}   (rendered for {spec.prefill}P{spec.decode}D {spec.name!r};\n"
+              + ("#  URLs are in-cluster DNS names: run kvctl inside the cluster)\n" if spec.in_cluster
+                 else "#  URLs are port-forward.sh's: run it first)\n"))
+    files["attach.yaml"] = header + dump_attach_file(rendered.attach)
+    files["port-forward.sh"] = rendered.port_forward
+    written = []
+    try:
+        (out / "manifests").mkdir(parents=True, exist_ok=True)
+        stale = {p.name for p in (out / "manifests").glob("*.yaml")} - {n.split("/", 1)[1] for n in files
+                                                                        if n.startswith("manifests/")}
+        for name in stale:  # e.g. store-pvc.yaml from a render without store_pvc: never apply it again
+            if (out / "manifests" / name).read_text().find("app.kubernetes.io/managed-by: kvctl") >= 0:
+                (out / "manifests" / name).unlink()
+        for name, text in files.items():
+            path = out / name
+            path.write_text(text)
+            written.append(path)
+        (out / "port-forward.sh").chmod(0o755)
+    except OSError as e:
+        raise BadInput(f"cannot write the rendered deployment: {e.strerror or e}", where=str(out),
+                       fix="choose a directory you can write") from None
+    return written
+
+
+def kubectl_commands(spec: K8sSpec, out: Path) -> list[str]:
+    """The commands that deploy, attach and verify what was rendered into `out`."""
+    kubectl = _kubectl(spec)
+    steps = [f"{kubectl} apply -f {shlex.quote(str(out / 'manifests'))}"]
+    steps += [f"{kubectl} rollout status {kind}/{spec.name}-{part} --timeout={STARTUP_S}s"
+              for kind, part in (("statefulset", "prefill"), ("statefulset", "decode"), ("deployment", "router"))]
+    if not spec.in_cluster:
+        steps.append(f"{shlex.quote(str(out / 'port-forward.sh'))} &")
+    steps += [f"kvctl attach --from-k8s {shlex.quote(str(out))}",
+              f"kvctl verify --name {spec.name}" + ("" if spec.attach_store else " --require observable")]
+    return steps
