@@ -429,6 +429,7 @@ def test_api_key_required_by_the_router(make_cluster):
     assert out.choices[0].text
     assert c.decode[0].completions()[0].headers["Authorization"] == "Bearer sekret"
     assert httpx.get(f"{c.url}/health").status_code == 200  # like vLLM: only /v1 needs the key
+    assert httpx.get(f"{c.url}/live").status_code == 200
     assert httpx.get(f"{c.url}/v1/models").status_code == 401
     assert [m.id for m in c.client(api_key="sekret").models.list()] == [MODEL]
 
@@ -563,7 +564,8 @@ def test_health_503_before_instances_are_up(aloop):
         h = httpx.get(f"{router.url}/health")
         assert h.status_code == 503 and h.json()["error"]["missing"] == ["prefill", "decode"]
         assert "prefill-0 (http://127.0.0.1:9)" in h.json()["error"]["message"]
-        assert "d (http://127.0.0.1:7)" in h.json()["error"]["message"]
+        assert "d (http://127.0.0.1:7): cannot connect: connection refused" in h.json()["error"]["message"]
+        assert httpx.get(f"{router.url}/live").status_code == 200  # alive, just not ready
     finally:
         aloop.run(router.stop())
 

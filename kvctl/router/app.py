@@ -5,6 +5,7 @@ Routes:
     POST /v1/chat/completions, /v1/completions   P (max_tokens=1) then D, D's answer relayed
     GET  /v1/models, POST /tokenize, /detokenize  one healthy decode instance answers
     GET  /health                                  200 while >= 1 P and >= 1 D are healthy, else 503
+    GET  /live                                    200 while the router runs (a liveness probe)
     GET  /metrics                                 Prometheus text (metrics.py)
     GET  /kvctl/instances                         every instance: role, URL, health, load, served
 
@@ -409,6 +410,9 @@ class Router:
                           code="no_healthy_" + "_".join(missing), missing=missing)
         return _json(503, {**body, "instances": instances})
 
+    async def live(self, request: web.Request) -> web.Response:
+        return _json(200, {"status": "alive"})
+
     async def instances_view(self, request: web.Request) -> web.Response:
         return _json(200, {"policy": self.config.policy, "instances": [i.to_json() for i in self.instances]})
 
@@ -448,6 +452,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.router.add_post("/tokenize", router.to_decode)
     app.router.add_post("/detokenize", router.to_decode)
     app.router.add_get("/health", router.health)
+    app.router.add_get("/live", router.live)
     app.router.add_get("/metrics", router.metrics_view)
     app.router.add_get("/kvctl/instances", router.instances_view)
     app.router.add_route("*", "/{tail:.*}", router.not_found)

@@ -27,7 +27,12 @@ def describe(e: BaseException) -> str:
         return "timed out"
     if isinstance(e, aiohttp.ClientConnectorError):
         err = e.os_error
-        text = os.strerror(err.errno) if err is not None and err.errno else str(err or e)
+        if err is not None and err.errno and err.errno > 0:
+            text = os.strerror(err.errno)  # "Connection refused", not asyncio's wording
+        elif err is not None and err.strerror:
+            text = err.strerror  # a name lookup: "Name or service not known"
+        else:
+            text = str(err or e)
         return f"cannot connect: {text.lower()}"
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
