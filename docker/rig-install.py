@@ -1,4 +1,4 @@
-"""Run `kvctl rig install`'s recipe inside an image build (Dockerfile.cpu).
+"""Run `kvctl rig install`'s recipe inside an image build (Dockerfile.rig).
 
 The system python of the base image has none of kvctl's CLI dependencies, so
 this calls kvctl.provision.rig directly (it needs only the standard library). It prints
@@ -9,7 +9,6 @@ image has a stable interpreter path (/opt/kvctl/venv/bin/python).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -19,15 +18,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True, help="JSON file of RigSpec fields")
     parser.add_argument("--code", required=True, help="dir holding the kvctl package to use")
-    parser.add_argument("--no-project", action="store_true", help="only the heavy steps")
     args = parser.parse_args()
     sys.path.insert(0, args.code)
     from kvctl.provision import rig
     from kvctl.errors import KvctlError
 
     spec = rig.load_spec(args.spec)
-    if args.no_project:
-        spec = dataclasses.replace(spec, install_project=False)
 
     def show(ev: rig.StepEvent) -> None:
         if ev.state in ("start", "done", "skipped", "failed"):

@@ -1,23 +1,25 @@
-"""The CPU image runs the rig recipe in a bare python: what it copies must be enough.
+"""The CPU image: a rig image keyed by the rig's inputs, and a thin layer with the overlay.
 
-docker/Dockerfile.cpu copies a few files of this project (before the rest, so
-the heavy rig layer is rebuilt only when the recipe changes) and runs
-docker/rig-install.py with the base image's system python, which has nothing
-but the standard library. These tests read the recipe's import closure from
-the source and check both halves: that it needs only the standard library,
-and that the Dockerfile copies every file of it to the right place.
+docker/Dockerfile.rig runs docker/rig-install.py with the base image's system
+python, which has nothing but the standard library, on the recipe files
+images.RECIPE_FILES puts under build/kvctl/. These tests read the recipe's
+import closure from the source and check both halves: that it needs only the
+standard library, and that the build context carries every file of it. Then
+the split: the rig image's tag moves with the pins, not with kvctl's code; the
+CPU image's tag moves with the overlay (this kvctl's code), on the same rig.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCKERFILE = ROOT / "docker" / "Dockerfile.cpu"
 BUILD_DIR = "/opt/kvctl/build/"  # where rig-install.py finds the kvctl package (--code)
 RECIPE = "kvctl.provision.rig"
 
@@ -56,23 +58,6 @@ def recipe_files() -> set[str]:
     return found
 
 
-def dockerfile_recipe_copies() -> set[str]:
-    """The kvctl files the COPY lines before the first rig-install run put under BUILD_DIR."""
-    copied: set[str] = set()
-    for line in DOCKERFILE.read_text().splitlines():
-        words = line.split()
-        if words[:1] == ["RUN"] and "rig-install.py" in line:
-            break
-        if words[:1] != ["COPY"] or not words[-1].startswith(BUILD_DIR + "kvctl"):
-            continue
-        dest = words[-1][len(BUILD_DIR):].rstrip("/")
-        for src in words[1:-1]:
-            assert src.startswith("src/"), line
-            copied.add(f"{dest}/{Path(src).name}")
-            assert src[len("src/"):] == f"{dest}/{Path(src).name}", f"{src} lands at {dest}: {line}"
-    return copied
-
-
 def test_the_rig_recipe_needs_only_the_standard_library(tmp_path):
     files = recipe_files()
     assert "kvctl/provision/rig.py" in files and "kvctl/errors.py" in files
@@ -88,6 +73,59 @@ def test_the_rig_recipe_needs_only_the_standard_library(tmp_path):
     assert len(out.stdout.strip()) == 12
 
 
-def test_dockerfile_cpu_copies_the_whole_recipe():
-    missing = sorted(recipe_files() - dockerfile_recipe_copies())
-    assert missing == [], f"docker/Dockerfile.cpu must COPY these before rig-install.py runs: {missing}"
+def test_the_rig_image_context_carries_the_whole_recipe():
+    from kvctl.provision import images
+
+    plan = images.plan_rig()
+    names = {name for name, _ in plan.files}
+    missing = sorted(f for f in recipe_files() if f"build/{f}" not in names)
+    assert missing == [], f"images.RECIPE_FILES must list these: {missing}"
+    assert {"Dockerfile", "build/rig-spec.json", "build/rig-install.py", "build/ca.crt"} <= names
+    assert not any(n.startswith(("src/", "overlay/")) for n in names)  # no project code
+    text = (ROOT / "docker" / "Dockerfile.rig").read_text()
+    assert "COPY build/ /opt/kvctl/build/" in text and f"--code {BUILD_DIR.rstrip('/')}" in text
+    assert json.loads(dict(plan.files)["build/rig-spec.json"])["engine"] == "v0"
+
+
+def test_rig_image_is_keyed_by_the_rig_inputs_not_kvctl_code(monkeypatch, tmp_path):
+    from kvctl.provision import images
+
+    tag = images.plan_rig().tag
+    code = images.recipe_files()
+    monkeypatch.setattr(images, "recipe_files", lambda: [(n, d + b"\n# edited\n") for n, d in code])
+    assert images.plan_rig().tag == tag
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"requirements": ["numpy<2.3"]}))
+    monkeypatch.setenv("KVCTL_RIG_SPEC", str(spec))
+    assert images.plan_rig().tag != tag
+
+
+def test_cpu_image_is_the_rig_image_plus_this_kvctls_overlay(monkeypatch):
+    from kvctl.provision import images, overlay
+
+    rig_plan = images.plan_rig()
+    cpu = images.plan_cpu(rig_plan)
+    assert cpu.build_args == {"RIG_IMAGE": rig_plan.tag} and cpu.base_image == rig_plan.tag
+    files = dict(cpu.files)
+    assert files["overlay/connectors/plugin.py"] == (ROOT / "connectors" / "plugin.py").read_bytes()
+    eps = next(d for n, d in files.items() if n.endswith(".dist-info/entry_points.txt"))
+    assert b"kvctl_connectors = connectors.plugin:register" in eps
+    assert {n.split("/")[0] for n in files} == {"Dockerfile", "overlay"}
+    text = (ROOT / "docker" / "Dockerfile.cpu").read_text()
+    assert "COPY overlay/ /opt/kvctl/overlay/" in text and "ENV PYTHONPATH=/opt/kvctl/overlay" in text
+
+    plan = overlay.plan_overlay()
+    edited = dataclasses.replace(plan, key="0" * 16,
+                                 dist_info=plan.dist_info + (("x.dist-info/EXTRA", "1"),))
+    monkeypatch.setattr(images, "plan_overlay", lambda: edited)
+    assert images.plan_rig().tag == rig_plan.tag  # same rig layer ...
+    assert images.plan_cpu().tag != cpu.tag  # ... new thin layer
+
+
+def test_dockerfiles_are_package_data_linked_to_the_top_level_docker_dir():
+    from kvctl.provision import images
+
+    assert images.DOCKERFILES.resolve() == (ROOT / "docker").resolve()
+    for name in ("Dockerfile.rig", "Dockerfile.cpu", "Dockerfile.gpu", "rig-install.py",
+                 "patch-vllm-lmcache.py"):
+        assert (images.DOCKERFILES / name).is_file(), name

@@ -23,13 +23,17 @@ def register(app: typer.Typer) -> None:
 @image_app.command("build")
 def build(
     kind: str = typer.Argument(
-        ..., help="cpu (vLLM 0.9.2 CPU rig) or gpu (official vLLM 0.9.2 image + LMCache)."),
+        ..., help="cpu (the vLLM 0.9.2 CPU rig + this kvctl) or gpu (official vLLM 0.9.2 image "
+                  "+ LMCache + this kvctl)."),
     base_image: str | None = typer.Option(
         None, "--base-image", help=f"gpu only: the image to build FROM (default {images.DEFAULT_GPU_BASE})."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every build output line."),
     json_: bool = json_option("Print the result as one JSON object."),
 ) -> None:
-    """Build the cpu or gpu image for this checkout; prints its tag (use it with --image)."""
+    """Build the cpu or gpu image for this kvctl; prints its tag (use it with --image).
+
+    cpu: a rig layer (vLLM, keyed by the rig's pins: minutes, once) and a thin layer with this
+    kvctl's connectors (seconds). Needs the docker extra: pip install 'kvctl[docker]'."""
     out = Output(json_mode=json_)
     result = images.build_image(kind, base_image=base_image, progress=BuildReporter(out, verbose))
     render_image(out, result)

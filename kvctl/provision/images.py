@@ -1,21 +1,30 @@
-"""Image builds: a local Debian base, the CPU image and the GPU image.
+"""Image builds: a local Debian base, the rig image, the CPU image and the GPU image.
 
-Every tag is a hash of everything that goes into the image, so a build with
-unchanged inputs finds its tag and returns at once, and an edited input never
-reuses a stale image:
+Every tag is a hash of what goes into the image, so a build with unchanged
+inputs finds its tag and returns at once, and an edited input never reuses a
+stale image. The CPU image follows the host's split: a heavy rig layer keyed
+by the rig's inputs, and a thin layer with this kvctl's overlay.
 
     kvctl-base:<h>  mmdebstrap rootfs (the host's Debian suite and apt sources,
                     BASE_PACKAGES) → `docker import`; no registry involved
-    kvctl-cpu:<h>   docker/Dockerfile.cpu FROM kvctl-base: the rig recipe of
-                    kvctl/provision/rig.py with its pins, plus this project
+    kvctl-rig:<h>   docker/Dockerfile.rig FROM kvctl-base: the rig recipe of
+                    kvctl/provision/rig.py with its pins (~6.5 GB, minutes);
+                    <h> covers the base, the pins, Dockerfile.rig and
+                    rig-install.py, not the recipe's code (as a host rig)
+    kvctl-cpu:<h>   docker/Dockerfile.cpu FROM kvctl-rig: this kvctl's overlay
+                    (kvctl/provision/overlay.py) on PYTHONPATH; seconds
     kvctl-gpu:<h>   docker/Dockerfile.gpu FROM a base image (default the official
-                    vLLM 0.9.2 image; its image id is part of the hash)
+                    vLLM 0.9.2 image; its image id is part of the hash) + LMCache
+                    + the overlay
 
-The build context is made here, holding only what goes in (see the
-Dockerfiles' headers), and sent through the docker SDK to the engine that
-DOCKER_HOST names. Each build's full output goes to
-$KVCTL_HOME/images/<repo>-<h>.log; only the last KEEP_TAGS tags of a repo are
-kept. Builds run with a low CPU weight: this machine is shared.
+The Dockerfiles are package data (kvctl/provision/dockerfiles, the top-level
+docker/ in a checkout) and the overlay comes from the installed kvctl, so
+images build from a wheel or pipx install as from a checkout. The build
+context is made here, holding only what goes in (see the Dockerfiles'
+headers), and sent through the docker SDK to the engine that DOCKER_HOST
+names. Each build's full output goes to $KVCTL_HOME/images/<repo>-<h>.log;
+only the last KEEP_TAGS tags of a repo are kept. Builds run with a low CPU
+weight: this machine is shared.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.paths import kvctl_home, project_root
+from kvctl.paths import kvctl_home
+from kvctl.provision.overlay import OverlayPlan, plan_overlay
 from kvctl.provision.rig import default_spec, digest
 from kvctl.runtime.docker_engine import connect
 from kvctl.subprocesses import TAIL_LINES, run_streamed
@@ -43,16 +53,20 @@ from kvctl.subprocesses import TAIL_LINES, run_streamed
 log = logging.getLogger(__name__)
 
 # ---- defaults, in one place ----------------------------------------------------
-REPOS = {"base": "kvctl-base", "cpu": "kvctl-cpu", "gpu": "kvctl-gpu"}
+REPOS = {"base": "kvctl-base", "rig": "kvctl-rig", "cpu": "kvctl-cpu", "gpu": "kvctl-gpu"}
 DEFAULT_GPU_BASE = "vllm/vllm-openai:v0.9.2"
 # The base rootfs: what the rig needs to create a venv and run torch/vLLM CPU.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libgomp1", "procps")
-PROJECT_PATHS = ("pyproject.toml", "README.md", "kvctl", "connectors")  # what src/ holds
-SKIP_PARTS = ("__pycache__", ".pytest_cache")  # never part of src/
-SKIP_SUFFIXES = (".pyc", ".pyo", ".so", ".egg-info")
+# The rig recipe: kvctl/provision/rig.py and every kvctl module it imports (standard
+# library only), copied to build/ for docker/rig-install.py. Paths in the kvctl package.
+RECIPE_FILES = ("__init__.py", "errors.py", "paths.py", "subprocesses.py",
+                "provision/__init__.py", "provision/rig.py", "provision/elf_patch.py")
+KVCTL_DIR = Path(__file__).resolve().parent.parent  # the installed kvctl package
+DOCKERFILES = Path(__file__).resolve().parent / "dockerfiles"  # docker/ in a checkout
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 APT_SOURCES = ("/etc/apt/sources.list", "/etc/apt/sources.list.d")
-KEEP_TAGS = 3  # per repo: older kvctl-cpu:<h> tags are removed after a build
+KEEP_TAGS = {"kvctl-rig": 2}  # per repo (default 3): older tags are removed after a build
+DEFAULT_KEEP_TAGS = 3
 BUILD_CPU_SHARES = 256  # the build containers' CPU weight (docker's default is 1024)
 # ---------------------------------------------------------------------------------
 
@@ -117,26 +131,15 @@ def _files_digest(files: tuple[tuple[str, bytes], ...]) -> list[list[str]]:
     return [[name, hashlib.sha256(data).hexdigest()] for name, data in files]
 
 
-def project_files(root: Path | None = None) -> list[tuple[str, bytes]]:
-    """This project's files for src/, sorted; caches and build outputs left out.
+def recipe_files() -> list[tuple[str, bytes]]:
+    """The rig recipe's code for build/kvctl/, read from the installed kvctl package."""
+    return [(f"build/kvctl/{rel}", (KVCTL_DIR / rel).read_bytes()) for rel in RECIPE_FILES]
 
-    Raises BadInput when kvctl does not run from a source checkout.
-    """
-    root = root or project_root()
-    if not (root / "pyproject.toml").is_file():
-        raise BadInput(f"kvctl is not running from a source checkout ({root} has no pyproject.toml)",
-                       where=str(root), fix="run kvctl from its git checkout to build images")
-    found = []
-    for rel in PROJECT_PATHS:
-        path = root / rel
-        paths = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
-        for p in paths:
-            parts = p.relative_to(root).parts
-            if any(s in parts for s in SKIP_PARTS) or p.name.startswith(".") \
-                    or any(part.endswith(SKIP_SUFFIXES) for part in parts):
-                continue
-            found.append(("src/" + "/".join(parts), p.read_bytes()))
-    return found
+
+def overlay_files(plan: OverlayPlan) -> list[tuple[str, bytes]]:
+    """This kvctl's overlay for overlay/ (its site dir), from the installed files."""
+    return ([(f"overlay/{rel}", src.read_bytes()) for rel, src in plan.files]
+            + [(f"overlay/{rel}", text.encode()) for rel, text in plan.dist_info])
 
 
 def ca_bundle() -> bytes:
@@ -188,24 +191,33 @@ def rig_spec_json() -> bytes:
 
 
 def _docker_file(name: str) -> bytes:
-    path = project_root() / "docker" / name
+    path = DOCKERFILES / name
     try:
         return path.read_bytes()
     except OSError as e:
         raise BadInput(f"cannot read {path}: {e.strerror}", where=str(path),
-                       fix="run kvctl from a complete source checkout") from None
+                       fix="reinstall kvctl: its Dockerfiles are package data") from None
 
 
-def plan_cpu() -> BuildPlan:
+def plan_rig() -> BuildPlan:
+    """The rig image: keyed by the rig's inputs, not by the recipe's code or the CA bundle."""
     base = base_tag()
-    files = (("Dockerfile", _docker_file("Dockerfile.cpu")),
-             ("build/ca.crt", ca_bundle()),
+    keyed = (("Dockerfile", _docker_file("Dockerfile.rig")),
              ("build/rig-spec.json", rig_spec_json()),
-             ("build/rig-install.py", _docker_file("rig-install.py")),
-             *project_files())
+             ("build/rig-install.py", _docker_file("rig-install.py")))
     args = {"BASE_IMAGE": base}
+    h = _tag_hash(["rig", args, _files_digest(keyed)])
+    files = (*keyed, ("build/ca.crt", ca_bundle()), *recipe_files())
+    return BuildPlan("rig", f"{REPOS['rig']}:{h}", base, args, files)
+
+
+def plan_cpu(rig: BuildPlan | None = None) -> BuildPlan:
+    """The thin CPU image: the rig image (`rig`, default plan_rig()) + this kvctl's overlay."""
+    rig = rig or plan_rig()
+    files = (("Dockerfile", _docker_file("Dockerfile.cpu")), *overlay_files(plan_overlay()))
+    args = {"RIG_IMAGE": rig.tag}
     h = _tag_hash(["cpu", args, _files_digest(files)])
-    return BuildPlan("cpu", f"{REPOS['cpu']}:{h}", base, args, files)
+    return BuildPlan("cpu", f"{REPOS['cpu']}:{h}", rig.tag, args, files)
 
 
 def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str]) -> BuildPlan:
@@ -217,13 +229,13 @@ def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str]) -> Buil
     files = (("Dockerfile", _docker_file("Dockerfile.gpu")),
              ("build/ca.crt", ca_bundle()),
              ("build/patch-vllm-lmcache.py", _docker_file("patch-vllm-lmcache.py")),
-             *project_files())
+             *overlay_files(plan_overlay()))
     h = _tag_hash(["gpu", args, base_id, _files_digest(files)])
     return BuildPlan("gpu", f"{REPOS['gpu']}:{h}", base_image, args, files)
 
 
 def default_image(kind: str) -> str:
-    """The image `kvctl image build KIND` makes from this checkout with default options.
+    """The image `kvctl image build KIND` makes for this kvctl with default options.
 
     cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest,
     which every GPU build moves (its hash needs the base image's id).
@@ -345,7 +357,7 @@ def _build(client: Any, plan: BuildPlan, emit: Progress) -> None:
 
 
 def _prune(client: Any, repo: str, keep: str) -> None:
-    """Keep the KEEP_TAGS newest tags of `repo` (and :latest); untag the rest.
+    """Keep the newest KEEP_TAGS tags of `repo` (and :latest); untag the rest.
 
     Images still used by a container, or as a parent, stay (the engine refuses).
     """
@@ -355,7 +367,7 @@ def _prune(client: Any, repo: str, keep: str) -> None:
                     reverse=True)
     tags = [t for img in images for t in img.tags if t.startswith(repo + ":")
             and t not in (keep, f"{repo}:latest")]
-    for tag in tags[KEEP_TAGS - 1:]:
+    for tag in tags[KEEP_TAGS.get(repo, DEFAULT_KEEP_TAGS) - 1:]:
         try:
             client.images.remove(tag)
             log.info("removed old image tag %s", tag)
@@ -388,9 +400,10 @@ def _ensure_gpu_base(client: Any, ref: str, emit: Progress) -> Any:
 
 def build_image(kind: str, base_image: str | None = None, progress: Progress | None = None,
                 client: Any = None) -> ImageResult:
-    """Build (or find) the `kind` image ("cpu" or "gpu") for this checkout.
+    """Build (or find) the `kind` image ("cpu" or "gpu") for this kvctl.
 
-    cpu: builds kvctl-base first when missing; `base_image` must be None.
+    cpu: builds kvctl-base and the kvctl-rig image first when they are missing
+    (the rig image: minutes; the CPU layer on it: seconds); `base_image` must be None.
     gpu: FROM `base_image` (default DEFAULT_GPU_BASE), pulled when missing.
     Returns at once when the content tag exists. Raises BadInput (unknown kind,
     no engine, missing tools, a base image for cpu or a missing one: field
@@ -405,11 +418,16 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
     client = client or connect(None, timeout=None)  # a build can be silent for minutes
     t0 = time.monotonic()
     if kind == "cpu":
-        plan = plan_cpu()
-        if _image(client, plan.tag) is None:
-            if _image(client, plan.base_image) is None:
-                _build_base(client, plan.base_image, emit)
-                emit(ImageEvent("done", plan.base_image, f"{time.monotonic() - t0:.0f} s"))
+        rig = plan_rig()
+        plan = plan_cpu(rig)
+        if _image(client, plan.tag) is None and _image(client, rig.tag) is None:
+            if _image(client, rig.base_image) is None:
+                _build_base(client, rig.base_image, emit)
+                emit(ImageEvent("done", rig.base_image, f"{time.monotonic() - t0:.0f} s"))
+            t1 = time.monotonic()
+            _build(client, rig, emit)
+            _prune(client, REPOS["rig"], rig.tag)
+            emit(ImageEvent("done", rig.tag, f"{time.monotonic() - t1:.0f} s"))
     else:
         base_ref = base_image or DEFAULT_GPU_BASE
         base = _ensure_gpu_base(client, base_ref, emit)
@@ -424,4 +442,3 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
     result = _result(client, kind, plan.tag, plan.base_image, t0, cached=False)
     emit(ImageEvent("done", plan.tag, f"{result.seconds:.0f} s, {result.size_bytes / 1e9:.2f} GB"))
     return result
-

@@ -29,7 +29,6 @@ from connectors.config.validate import (
     pydantic_problems,
 )
 from kvctl.errors import BadInput
-from kvctl.paths import project_root
 
 CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
 # Replaced in kv_transfer_config strings at launch, as the server sees them:
@@ -378,13 +377,9 @@ def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
 # ---------------------------------------------------------------- loading
 
 def scenarios_dir() -> Path:
-    """The shipped scenarios: `scenarios/` at the top of the source checkout.
-
-    A wheel has no checkout; it may carry them as package data in
-    `kvctl/scenarios/`, which is then used instead.
-    """
-    packaged = Path(__file__).resolve().parent / "scenarios"
-    return packaged if packaged.is_dir() else project_root() / "scenarios"
+    """The shipped scenarios: package data in kvctl/scenario/scenarios (in a checkout,
+    a link to the top-level scenarios/; a wheel or sdist holds the files)."""
+    return (Path(__file__).resolve().parent / "scenarios").resolve()
 
 
 def list_scenarios() -> list[Path]:
