@@ -1,16 +1,26 @@
 # kvctl developer entry points. `make demo` runs the main job end to end on the
 # embedded CPU default; `make test` runs the whole test suite. Both work on a
 # fresh machine: they build everything they need (and cache it).
+#
+# Three environments:
+#   .venv       kvctl itself (editable, light: no torch, no vLLM): the `kvctl` below
+#   the rig     torch + vLLM under $$KVCTL_HOME/rigs, keyed by its pins, shared by
+#               every checkout and never changed once built (`kvctl rig install`)
+#   .venv/rig   the test env: a venv layered on the rig (`kvctl rig venv`) holding
+#               this checkout (editable) and the test dependencies; one per checkout
 
 PYTHON ?= python3
 VENV := .venv
 KVCTL := $(VENV)/bin/kvctl
 STAMP := $(VENV)/.kvctl-installed
+TESTENV := $(VENV)/rig
+TESTPY := $(TESTENV)/bin/python
+TESTSTAMP := $(TESTENV)/.kvctl-installed
 # pytest-xdist workers; tests that start vLLM servers take a run-wide lock.
 JOBS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: venv rig rig-test-deps docker-ready demo test test-fast bench clean
+.PHONY: venv rig test-env docker-ready demo test test-fast bench clean FORCE
 
 # kvctl itself: light (no torch, no vLLM), for driving clusters.
 $(STAMP): pyproject.toml
@@ -20,15 +30,23 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# vLLM 0.9.2 CPU rig under $$KVCTL_HOME (default ~/.cache/kvctl), keyed by its
+# The vLLM 0.9.2 CPU rig under $$KVCTL_HOME (default ~/.cache/kvctl), keyed by its
 # inputs: a second run returns at once.
 rig: venv
 	$(KVCTL) rig install
 
-# The tests run in the rig's interpreter (the connectors need torch and vLLM),
-# so kvctl's own and the test dependencies go there too.
-rig-test-deps: rig
-	"$$($(KVCTL) rig python)" -m pip install -q -e '.[test]'
+# Layers $(TESTENV) on the rig, or stops make with the reason when there is none.
+# It rewrites kvctl-rig.json only when the rig under it changed: then the
+# install below runs again.
+$(TESTENV)/kvctl-rig.json: rig FORCE
+	$(KVCTL) rig venv $(TESTENV) > /dev/null
+
+# Installs go into $(TESTENV) only, pinned to the rig's versions (its pip.conf).
+$(TESTSTAMP): $(TESTENV)/kvctl-rig.json pyproject.toml
+	$(TESTPY) -m pip install -q -e '.[test]'
+	touch $@
+
+test-env: $(TESTSTAMP)
 
 # Docker engine (installed if missing, started if not running) and the CPU image.
 docker-ready: venv
@@ -38,13 +56,13 @@ docker-ready: venv
 demo: rig
 	$(KVCTL) scenario run smoke-1p1d
 
-test: rig-test-deps docker-ready
+test: test-env docker-ready
 	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_DOCKER=1 \
-	  "$$($(KVCTL) rig python)" -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(PYTEST_ARGS) tests
+	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(PYTEST_ARGS) tests
 
 # Everything that needs neither vLLM servers nor docker.
-test-fast: rig-test-deps
-	"$$($(KVCTL) rig python)" -m pytest -n $(JOBS) -m "not e2e and not docker" $(PYTEST_ARGS) tests
+test-fast: test-env
+	$(TESTPY) -m pytest -n $(JOBS) -m "not e2e and not docker" $(PYTEST_ARGS) tests
 
 bench: rig
 	$(KVCTL) bench store --json > out-bench-store.json
@@ -53,3 +71,5 @@ bench: rig
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+FORCE:

@@ -1,14 +1,20 @@
 """Shared fixtures: the rig, the tiny model, a tmp KVCTL_HOME and a `kvctl` runner.
 
-Tests that need the CPU rig use the `rig_python` fixture: it skips when no rig
-is installed, and fails instead when KVCTL_REQUIRE_RIG=1 (CI). Tests that
-start vLLM servers also take `vllm_slot`, so that only one server pair runs at
-a time on this 2-core machine, even under pytest-xdist.
+Tests that need the CPU rig use the `rig_python` fixture: the interpreter
+running the tests, when it has torch and vLLM and imports this checkout's
+connectors from anywhere, i.e. the venv layered on the rig that `make
+test-env` makes (.venv/rig: the read-only rig's packages plus this checkout
+and the test dependencies). It skips otherwise, and fails instead when
+KVCTL_REQUIRE_RIG=1 (CI). Servers that kvctl starts get this checkout's code
+through its overlay either way. Tests that start vLLM servers also take
+`vllm_slot`, so that only one server pair runs at a time on this 2-core
+machine, even under pytest-xdist.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import signal
 import subprocess
@@ -55,14 +61,28 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _find_rig() -> tuple[Path | None, str]:
-    """The rig python ($KVCTL_RIG_PYTHON or the installed rig), or None and why."""
-    from kvctl.errors import KvctlError
-    from kvctl.provision.rig import rig_python
+    """This interpreter when it can run rig-side tests, else None and why.
 
-    try:
-        return rig_python(), ""
-    except KvctlError as e:
-        return None, e.message
+    It must have torch and vLLM, and import our connectors (and see their
+    plugin entry point) from its own packages, not from the current directory:
+    tests start servers with it elsewhere.
+    """
+    here = Path(__file__).resolve().parent.parent
+    fix = (f"run the tests in the venv layered on the rig: `make test-env` in {here}, "
+           f"then {here}/.venv/rig/bin/python -m pytest ...")
+    missing = [m for m in ("torch", "vllm") if importlib.util.find_spec(m) is None]
+    if missing:
+        return None, f"{sys.executable} has no {' or '.join(missing)}; {fix}"
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.metadata as md, connectors.plugin; "
+         "assert 'kvctl_connectors' in [e.name for e in md.entry_points(group='vllm.general_plugins')]; "
+         "print(connectors.plugin.__file__)"],
+        cwd="/", capture_output=True, text=True)
+    ours = str(here / "connectors" / "plugin.py")
+    if probe.returncode != 0 or probe.stdout.strip() != ours:
+        return None, (f"{sys.executable} does not have this checkout installed "
+                      f"(connectors.plugin: {probe.stdout.strip() or probe.stderr.strip()[-300:]}); {fix}")
+    return Path(sys.executable), ""
 
 
 _RIG = _find_rig()  # resolved once, before any test points KVCTL_HOME elsewhere
@@ -70,7 +90,7 @@ _RIG = _find_rig()  # resolved once, before any test points KVCTL_HOME elsewhere
 
 @pytest.fixture(scope="session")
 def rig_python() -> Path:
-    """The CPU rig's python. Skips without a rig; fails when KVCTL_REQUIRE_RIG=1."""
+    """A python with the CPU rig and this checkout. Skips without; fails when KVCTL_REQUIRE_RIG=1."""
     python, why = _RIG
     if python is None:
         if REQUIRE_RIG:

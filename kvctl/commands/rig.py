@@ -1,20 +1,30 @@
-"""`kvctl rig`: install, locate and inspect the CPU rig (vLLM 0.9.2 CPU + this project)."""
+"""`kvctl rig`: install, locate and inspect the CPU rig (read-only torch + vLLM) and the
+overlay that brings this kvctl's connectors to it."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 from kvctl.options import JSON_OPT
-from kvctl.provision import rig
+from kvctl.provision import overlay, rig
 from kvctl.views.output import Output
-from kvctl.views.rig import InstallReporter, render_installed, render_rig_status
+from kvctl.views.rig import InstallReporter, render_installed, render_layered_venv, render_rig_status
 
 rig_app = typer.Typer(
-    help="The CPU rig: a venv with vLLM 0.9.2 (CPU, V0) and this project, under "
-         "$KVCTL_HOME/rigs. Env: KVCTL_RIG_PYTHON uses a pre-built rig's interpreter; "
-         "KVCTL_RIG_SPEC names a JSON file of pin overrides.",
+    help="The CPU rig: a read-only venv with torch and vLLM under $KVCTL_HOME/rigs, one per "
+         "engine and set of pins, shared by every kvctl installation (checkouts, wheels, "
+         "pipx). Engine v0 (the default): vLLM 0.9.2 CPU, the V0 connectors; v1: vLLM 0.32.0 "
+         "CPU on torch 2.13.0. Each kvctl brings its own connectors to the servers through "
+         "an overlay ($KVCTL_HOME/overlays) on their PYTHONPATH. Env: KVCTL_RIG_PYTHON uses a "
+         "pre-built rig's interpreter; KVCTL_RIG_SPEC names a JSON file of pin overrides.",
     no_args_is_help=True,
 )
+
+ENGINE_OPT = typer.Option(
+    None, "--engine", help=f"Which rig: {' or '.join(rig.ENGINES)} (default {rig.DEFAULT_ENGINE}: "
+                           "vLLM 0.9.2, V0 connectors; v1: vLLM 0.32.0).")
 
 
 def register(app: typer.Typer) -> None:
@@ -22,22 +32,38 @@ def register(app: typer.Typer) -> None:
 
 
 @rig_app.command("install")
-def install(json_out: bool = JSON_OPT) -> None:
+def install(engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
     """Build the rig, or finish it: steps already done are skipped (a complete rig: instant)."""
     out = Output(json_mode=json_out)
+    spec = rig.default_spec(engine)
     with InstallReporter(out.stderr) as reporter:
-        info = rig.install(progress=reporter)
+        info = rig.install(progress=reporter, spec=spec)
     render_installed(out, info)
 
 
 @rig_app.command("python")
-def python() -> None:
-    """Print the rig's interpreter path (for scripts: `$(kvctl rig python) -m ...`)."""
-    typer.echo(str(rig.rig_python()))
+def python(engine: str | None = ENGINE_OPT) -> None:
+    """Print the rig's interpreter path; exits 2 with the reason when the rig is not installed.
+
+    The rig holds torch and vLLM only: run kvctl's code with it through `kvctl rig venv`
+    (tests) or the overlay `kvctl rig status` names (PYTHONPATH).
+    """
+    typer.echo(str(rig.rig_python(rig.default_spec(engine))))
 
 
 @rig_app.command("status")
-def status(json_out: bool = JSON_OPT) -> None:
-    """Show where the rig is, which steps are done, its size and its key inputs."""
+def status(engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
+    """Show the rig (steps, size, inputs) and the overlay this kvctl would use."""
     out = Output(json_mode=json_out)
-    render_rig_status(out, rig.rig_status())
+    render_rig_status(out, rig.rig_status(rig.default_spec(engine)) | {
+        "overlay": overlay.overlay_status()})
+
+
+@rig_app.command("venv")
+def venv(path: Path = typer.Argument(..., help="The venv's directory (made, or brought up to date)."),
+         engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
+    """Make PATH a venv layered on the rig: it sees the rig's packages and installs only into
+    itself (`PATH/bin/python -m pip install ...`), so the rig stays as built. `make test`
+    keeps one per checkout (.venv/rig) for kvctl and pytest. Prints its python."""
+    out = Output(json_mode=json_out)
+    render_layered_venv(out, rig.layered_venv(path, rig.default_spec(engine)))

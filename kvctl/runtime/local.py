@@ -1,5 +1,10 @@
 """LocalRuntime: vLLM servers as processes of the CPU rig's python on this host.
 
+The rig is read-only and holds no kvctl: the servers import our connectors
+(and find their vLLM plugin entry point) in this kvctl's overlay, put first on
+their PYTHONPATH (kvctl.provision.overlay). Clusters launched by two kvctl
+installations (two checkouts, a wheel) run side by side, each with its own.
+
 Each server runs in its own session and process group (start_new_session), so
 a Ctrl-C in the terminal reaches only kvctl, which then stops the servers in
 order, and `stop()` can signal the server and every child it forked at once
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
 from kvctl.provision.rig import rig_python
 from kvctl.runtime.base import (
     ENTRYPOINT_MODULE,
@@ -47,7 +53,7 @@ class LocalInstance:
 
     def __init__(self, role: str, url: str, log_path: Path, pid: int,
                  start_ticks: int | None, command: list[str] | None = None,
-                 popen: subprocess.Popen | None = None):
+                 popen: subprocess.Popen | None = None, overlay: str | None = None):
         self.role = role
         self.url = url
         self.log_path = log_path
@@ -55,6 +61,7 @@ class LocalInstance:
         self.start_ticks = start_ticks
         self.command = command or []
         self._popen = popen  # set only in the process that started it
+        self.overlay = overlay  # the overlay dir its connectors come from
 
     def __repr__(self) -> str:
         return f"<LocalInstance {self.role} pid={self.pid} {self.url}>"
@@ -127,7 +134,8 @@ class LocalInstance:
         return instance_logs(self, tail, follow)
 
     def record(self) -> dict[str, Any]:
-        return {"pid": self.pid, "start_ticks": self.start_ticks, "command": self.command}
+        return {"pid": self.pid, "start_ticks": self.start_ticks, "command": self.command,
+                "overlay": self.overlay}
 
 
 class LocalRuntime:
@@ -137,6 +145,7 @@ class LocalRuntime:
 
     def __init__(self, python: Path | None = None):
         self._python = python
+        self._overlay: Overlay | None = None
 
     @property
     def python(self) -> Path:
@@ -144,9 +153,17 @@ class LocalRuntime:
             self._python = rig_python()
         return self._python
 
+    @property
+    def overlay(self) -> Overlay:
+        """This kvctl's overlay (built on first use)."""
+        if self._overlay is None:
+            self._overlay = ensure_overlay()
+        return self._overlay
+
     def check(self) -> None:
-        """Raises BadInput if the rig python is missing."""
+        """Raises BadInput if the rig python is missing or this kvctl's code cannot be found."""
         _ = self.python
+        _ = self.overlay
 
     def command(self, spec: InstanceSpec) -> list[str]:
         host = spec.host
@@ -157,11 +174,14 @@ class LocalRuntime:
         """Start the server; returns at once. Raises RuntimeFailure if it cannot be spawned."""
         argv = self.command(spec)
         env = {**os.environ, **vllm_server_env(spec)}
+        env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.cwd.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as logf:
             # One header line, so a log read alone says what produced it.
-            logf.write(f"kvctl: starting {spec.role} server: {shlex.join(argv)}\n".encode())
+            logf.write(f"kvctl: starting {spec.role} server: {shlex.join(argv)}\n"
+                       f"kvctl: its connectors: overlay {self.overlay.key} "
+                       f"(PYTHONPATH={env['PYTHONPATH']})\n".encode())
             logf.flush()
             try:
                 popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf,
@@ -174,11 +194,11 @@ class LocalRuntime:
         url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
         log.debug("started %s server pid %d: %s", spec.role, popen.pid, shlex.join(argv))
         return LocalInstance(spec.role, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
-                             process_start_ticks(popen.pid), argv, popen)
+                             process_start_ticks(popen.pid), argv, popen, str(self.overlay.path))
 
     def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> LocalInstance:
         if not isinstance(record.get("pid"), int):
             raise BadInput(f"the {role} record of this cluster has no pid",
                            where="cluster.json", fix="remove the cluster with `kvctl down`")
         return LocalInstance(role, url, log_path, record["pid"], record.get("start_ticks"),
-                             list(record.get("command") or []))
+                             list(record.get("command") or []), overlay=record.get("overlay"))

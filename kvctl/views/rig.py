@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
@@ -98,11 +99,11 @@ def render_installed(out: Output, info: rig.RigInfo) -> None:
 
 
 def render_rig_status(out: Output, st: dict) -> None:
-    """`kvctl rig status`: each step's state, the size and the interpreter, or the JSON."""
+    """`kvctl rig status`: each step's state, size, interpreter and the overlay, or the JSON."""
     if out.json_mode:
         out.emit_json(st)
         return
-    table = Table(title=f"rig {st['path']}", title_justify="left")
+    table = Table(title=f"rig {st['path']} (engine {st['engine']})", title_justify="left")
     for col in ("step", "state", "seconds", "note"):
         table.add_column(col)
     colors = {"done": "green", "stale": "yellow", "missing": "red"}
@@ -115,3 +116,29 @@ def render_rig_status(out: Output, st: dict) -> None:
     out.stdout.print(f"{state}, {st['size_bytes'] / 1e9:.2f} GB, python {st['python']}")
     if st["python_override"]:
         out.stdout.print(f"KVCTL_RIG_PYTHON overrides it: {st['python_override']}")
+    inputs = st["inputs"]
+    pins = [*inputs["torch"], *inputs["vllm"]]
+    out.stdout.print(f"inputs: {' '.join(pins)}, {len(inputs['requirements'])} requirements, "
+                     f"python {inputs['python']} (key {st['key']})", highlight=False)
+    ov = st["overlay"]
+    built = "[green]built[/green]" if ov["built"] else "[yellow]built at the next launch[/yellow]"
+    out.stdout.print(f"overlay {ov['key']} ({built}, kvctl {ov['version']}, {ov['files']} files): "
+                     f"{escape(ov['path'])}", highlight=False)
+    for name, where in ov["packages"].items():
+        out.stdout.print(f"  {name} from {escape(where)}", highlight=False)
+    for line in ov["entry_points"]:
+        out.stdout.print(f"  entry point {escape(line)}", highlight=False)
+    others = [k for k in ov["overlays"] if k != ov["key"]]
+    if others:
+        out.stdout.print(f"  {len(others)} other overlay(s) in {escape(str(Path(ov['path']).parent))}",
+                         highlight=False)
+
+
+def render_layered_venv(out: Output, venv: rig.LayeredVenv) -> None:
+    """`kvctl rig venv`: what happened (stderr) and the venv's python (stdout), or the JSON."""
+    if out.json_mode:
+        out.emit_json(venv.to_json())
+        return
+    what = {"created": "created", "relinked": "now layered on", "unchanged": "already layered on"}
+    out.info(f"{escape(str(venv.path))}: {what[venv.action]} the rig at {escape(venv.rig_site)}")
+    out.stdout.print(str(venv.python), highlight=False)
