@@ -14,6 +14,7 @@ PROBE = """
 import importlib.util, sys
 assert importlib.util.find_spec("torch") is None, "this venv is supposed to be torch-free"
 import kvctl.cli, kvctl.verify.verifier, kvctl.cluster.lifecycle, kvctl.store.inspect, kvctl.scenario.schema
+import kvctl.provision.overlay, kvctl.provision.images, kvctl.runtime.local
 import connectors.store.format, connectors.config.validate
 heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "vllm", "transformers"))
 assert not heavy, heavy
