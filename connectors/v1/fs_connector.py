@@ -182,8 +182,9 @@ class FSConnector(KVConnectorBase_V1):
             reason = (f"local prefix cache holds {num_computed_tokens} of {len(tokens)} prompt tokens"
                       if num_computed_tokens else f"prompt of {len(tokens)} token")
         else:
-            previous = self._asked.get(req_id)
-            check = previous[1] if previous is not None and previous[1] is not None else self._find(tokens)
+            previous = self._asked.get(req_id)  # vLLM asks again while the request waits for blocks
+            found = previous is not None and previous[1] is not None and previous[1].found
+            check = previous[1] if found else self._find(tokens)
             reason = check.reason
         self._asked[req_id] = (num_computed_tokens, check, reason)
         if check is None or not check.found:
