@@ -478,6 +478,16 @@ def test_prefill_down_gives_502_then_503_naming_it(make_cluster, aloop):
     assert c.decode[0].completions() == []
 
 
+def test_prefill_dying_mid_answer_gives_502_naming_it(make_cluster):
+    c = make_cluster()
+    c.prefill[0].fail_after = 1  # half its JSON, then the connection drops (a kill -9)
+    r = httpx.post(f"{c.url}/v1/chat/completions", json={"model": MODEL, "messages": MESSAGES}, timeout=30)
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert "prefill-0" in err["message"] and err["code"] == "prefill_failed"
+    assert c.decode[0].completions() == []
+
+
 def test_decode_5xx_gives_502_naming_it(make_cluster):
     c = make_cluster()
     c.decode[0].status = 503
