@@ -81,8 +81,10 @@ def check_document(doc: dict[str, Any]) -> list[str]:
         return [f"{where}: no model known for {doc.get('apiVersion')}/{doc.get('kind')}"]
     api = client.ApiClient()
     try:
-        obj = api.deserialize(json.dumps(doc), model, None)
-    except (ValueError, TypeError) as e:  # pydantic's ValidationError is a ValueError
+        # The dict -> model step every response goes through; its public wrapper
+        # `deserialize` takes a response object whose shape changed across releases.
+        obj = api._ApiClient__deserialize(json.loads(json.dumps(doc)), model)  # type: ignore[attr-defined]
+    except (ValueError, TypeError) as e:  # a missing required field; pydantic's ValidationError is a ValueError
         return [f"{where}: {model} refuses it: {e}"]
     back = api.sanitize_for_serialization(obj)
     return [f"{where}: {p}" for p in _differences(doc, back, "$")]

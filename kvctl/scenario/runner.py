@@ -1,5 +1,11 @@
 """Run a scenario: launch → verify → inspect-store → down, always tearing down.
 
+A scenario with `cluster: {attach: FILE}` launches nothing: its `launch` phase
+attaches the running cluster the file describes (under the scenario's name),
+and its `down` phase detaches it; the servers keep running. Its `inspect`
+phase needs the store to be visible here; when it is not, the phase says so
+(not observable) and fails only under `expectations.require: all`.
+
 `plan_scenario` turns a Scenario into a ClusterSpec (runtime, model, store,
 resolved configs) and starts nothing: every problem it finds is a BadInput,
 raised before any server exists. `run_scenario` then runs the four phases,
@@ -36,9 +42,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from kvctl.attach.attach import AttachSpec, attach_cluster, detach_cluster, spec_from_file
 from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster, signals_interrupt
 from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec
-from kvctl.cluster.state import ClusterState, cluster_dir
+from kvctl.cluster.state import ATTACHED_RUNTIME, ClusterState, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError
 from kvctl.paths import kvctl_home
 from kvctl.runtime import select_runtime
@@ -86,11 +93,20 @@ class ScenarioPlan:
 
     scenario: Scenario
     source: str | None  # the scenario file, for messages
-    spec: ClusterSpec
+    spec: ClusterSpec | None  # None: the scenario attaches (see `attach`)
     runtime_reason: str
     prompts: list[str]
     send_children: list[tuple[int, str]] | None  # None: verify derives them from P's config
     kept_dir: Path | None  # keep: store and logs end up here
+    attach: AttachSpec | None = None  # `cluster: {attach: FILE}`: the running cluster to verify
+
+    @property
+    def cluster(self) -> str:
+        return self.attach.name if self.attach is not None else self.spec.name  # type: ignore[union-attr]
+
+    @property
+    def runtime(self) -> str:
+        return ATTACHED_RUNTIME if self.attach is not None else self.spec.runtime  # type: ignore[union-attr]
 
 
 @dataclass
@@ -193,7 +209,33 @@ def plan_scenario(scenario: Scenario, *, keep: bool = False, source: str | None 
         raise _in_scenario(e, source) from None
 
 
+def _plan_attach(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
+    """An attaching scenario: its attach file, read now (relative to the scenario file)."""
+    assert scenario.cluster is not None
+    expanded = os.path.expandvars(scenario.cluster.attach)
+    unset = re.findall(r"\$\{?(\w+)", expanded)
+    if unset:
+        raise BadInput(f"$.cluster.attach uses ${unset[0]}, which is not set", where="$.cluster.attach",
+                       fix=f"export {unset[0]}=<directory> before running the scenario")
+    path = Path(expanded).expanduser()
+    if not path.is_absolute() and source:
+        path = Path(source).parent / path
+    attach = spec_from_file(path, scenario.name)
+    prompts = check_prompts(scenario.prompt_texts(), where=scenario_path("prompts") or "prompts")
+    p_config = next((i.kv_transfer_config for i in attach.instances if i.role == "prefill"), None)
+    kept_dir = None
+    if keep:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        kept_dir = kvctl_home() / KEPT_ROOT / f"{scenario.name}-{stamp}"
+    return ScenarioPlan(scenario=scenario, source=source, spec=None,
+                        runtime_reason=f"attached: {path} (not started by kvctl)", prompts=prompts,
+                        send_children=_send_children(scenario, p_config or {}), kept_dir=kept_dir,
+                        attach=attach)
+
+
 def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
+    if scenario.attaches:
+        return _plan_attach(scenario, keep, source)
     try:
         runtime, why = select_runtime(scenario.runtime)
     except BadInput as e:
@@ -220,8 +262,8 @@ def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
         served_model_name=scenario.served_model_name,
         prefill_config=configs["prefill"], decode_config=configs["decode"], store=store,
         timeout_s=scenario.timeout,
-        prefill_args=tuple(scenario.prefill.args), decode_args=tuple(scenario.decode.args),
-        prefill_env=scenario.prefill.env, decode_env=scenario.decode.env,
+        prefill_args=tuple(scenario.role("prefill").args), decode_args=tuple(scenario.role("decode").args),
+        prefill_env=scenario.role("prefill").env, decode_env=scenario.role("decode").env,
         docker=_docker_options(scenario) if runtime == "docker" else None)
     children = _send_children(scenario, configs["prefill"])
     return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
@@ -240,8 +282,8 @@ def _expand(value: str, field: str) -> str:
 
 def _docker_options(scenario: Scenario):
     return docker_options(image=scenario.image, gpus=scenario.gpus,
-                          prefill_host=scenario.prefill.docker_host,
-                          decode_host=scenario.decode.docker_host)
+                          prefill_host=scenario.role("prefill").docker_host,
+                          decode_host=scenario.role("decode").docker_host)
 
 
 # ---------------------------------------------------------------- run
@@ -288,7 +330,7 @@ def _verify(state: ClusterState, plan: ScenarioPlan, progress: ScenarioProgress)
 def _keep_logs(plan: ScenarioPlan) -> None:
     """Copy the servers' logs into the kept dir (down removes the cluster dir)."""
     assert plan.kept_dir is not None
-    logs = cluster_dir(plan.spec.name) / "logs"
+    logs = cluster_dir(plan.cluster) / "logs"
     if logs.is_dir():
         shutil.copytree(logs, plan.kept_dir / "logs", dirs_exist_ok=True)
 
@@ -299,11 +341,52 @@ def _down(plan: ScenarioPlan, stack: contextlib.ExitStack | None) -> None:
     if stack is not None:
         stack.close()  # running_cluster's teardown: signals ignored until it is done
     else:
-        down(plan.spec.name)  # after a failed launch: its logs and dirs
+        down(plan.cluster)  # after a failed launch: its logs and dirs
+
+
+def _verify_and_inspect(state: ClusterState, plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
+                        progress: ScenarioProgress) -> None:
+    with phases.run("verify") as phase:
+        report.verify = _verify(state, plan, progress)
+        failed = report.failed_checks()
+        if failed:
+            names = sorted({name for _, name, _ in failed})
+            phase.status, phase.detail = "failed", f"{len(failed)} failed checks: {', '.join(names)}"
+    with phases.run("inspect") as phase:
+        if state.store is None:  # attached without a visible store
+            phase.detail = "not observable: the store is not visible from this host"
+            if plan.scenario.expectations.require == "all":
+                phase.status = "failed"
+            return
+        report.store = inspect_store(Path(state.store), verify=True)
+        if report.store.problems:
+            phase.status = "failed"
+            phase.detail = (f"{len(report.store.invalid)} invalid entries, "
+                            f"{len(report.store.temp_files)} temp files")
+
+
+def _run_attached(plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
+                  progress: ScenarioProgress) -> None:
+    """Attach (the launch phase), verify, inspect, and always detach (the down phase)."""
+    assert plan.attach is not None
+    with phases.run("launch") as phase:
+        result = attach_cluster(plan.attach)  # BadInput (name taken, file wrong): nothing to undo
+        phase.detail = "; ".join(["attached, not started by kvctl", *result.notes])
+    try:
+        _verify_and_inspect(result.state, plan, report, phases, progress)
+    finally:
+        with phases.run("down") as phase:
+            if plan.kept_dir is not None:
+                _keep_logs(plan)
+            detach_cluster(plan.cluster)
+            phase.detail = "detached; its servers keep running"
 
 
 def _run_phases(plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
                 progress: ScenarioProgress) -> None:
+    if plan.attach is not None:
+        return _run_attached(plan, report, phases, progress)
+    assert plan.spec is not None
     with contextlib.ExitStack() as stack:
         try:
             with phases.run("launch"):
@@ -315,18 +398,7 @@ def _run_phases(plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
                 _down(plan, None)
             raise
         try:
-            with phases.run("verify") as phase:
-                report.verify = _verify(state, plan, progress)
-                failed = report.failed_checks()
-                if failed:
-                    names = sorted({name for _, name, _ in failed})
-                    phase.status, phase.detail = "failed", f"{len(failed)} failed checks: {', '.join(names)}"
-            with phases.run("inspect") as phase:
-                report.store = inspect_store(Path(state.store), verify=True)
-                if report.store.problems:
-                    phase.status = "failed"
-                    phase.detail = (f"{len(report.store.invalid)} invalid entries, "
-                                    f"{len(report.store.temp_files)} temp files")
+            _verify_and_inspect(state, plan, report, phases, progress)
         finally:
             with phases.run("down"):
                 _down(plan, stack)
@@ -344,8 +416,8 @@ def run_scenario(scenario: Scenario, progress: ScenarioProgress | None = None, *
     """
     progress = progress or ScenarioProgress()
     plan = plan_scenario(scenario, keep=keep, source=source)
-    report = ScenarioReport(scenario=scenario.name, source=source, cluster=plan.spec.name,
-                            runtime=plan.spec.runtime, runtime_reason=plan.runtime_reason,
+    report = ScenarioReport(scenario=scenario.name, source=source, cluster=plan.cluster,
+                            runtime=plan.runtime, runtime_reason=plan.runtime_reason,
                             expected_checks=list(scenario.expectations.checks))
     t0 = time.monotonic()
     # SIGTERM/SIGHUP (e.g. a CI timeout) must tear down too, not only Ctrl-C.

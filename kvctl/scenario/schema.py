@@ -1,5 +1,11 @@
 """Scenario files: a 1P1D cluster, its prompts and what verification expects.
 
+Instead of prefill/decode (a cluster kvctl launches), `cluster: {attach: FILE}`
+names an attach file (kvctl.attach.file): the scenario then verifies that
+running cluster and launches nothing. `expectations.require` is verify's
+`--require`: `all` (default) fails on a check that is not observable,
+`observable` reports it without failing.
+
 The schema is documented for users in scenarios/README.md; `Scenario` is its
 one definition. `check_scenario` reports every problem (schema, each role's
 kv-transfer-config, cross-role rules) as ConfigProblems with JSON paths;
@@ -128,6 +134,15 @@ class Expectations(_Strict):
                          "output_matches_baseline"]] = Field(default_factory=lambda: list(CHECK_NAMES))
     # `sent to connector <Name>` lines P must log per request; None = derived from P's config.
     sent_to_connectors: list[str] | None = None
+    # all: a check whose evidence is not observable (attached: no log source, store not
+    # visible) fails the run; observable: it is reported, and does not fail it.
+    require: Literal["all", "observable"] = "all"
+
+
+class ClusterRef(_Strict):
+    """`cluster: {attach: FILE}`: a running cluster kvctl did not start (an attach file)."""
+
+    attach: str = Field(min_length=1)  # relative to the scenario file's directory; $VARS expanded
 
 
 class Scenario(_Strict):
@@ -138,8 +153,11 @@ class Scenario(_Strict):
     served_model_name: str | None = None
     image: str | None = None  # docker only; None = the runtime's default image
     gpus: list[str] | None = None  # docker only: [prefill devices, decode devices], e.g. ["0", "1"]
-    prefill: RoleSpec
-    decode: RoleSpec
+    cluster: ClusterRef | None = None  # attach instead of launching: then no prefill/decode
+    # Required unless `cluster` attaches (check_scenario says which is missing); left None
+    # (the default is not validated) only in an attaching scenario: use role() / role_spec().
+    prefill: RoleSpec = None  # type: ignore[assignment]
+    decode: RoleSpec = None  # type: ignore[assignment]
     store: str | None = None  # host dir shared by P and D; None = a fresh dir per run
     prompts: list[PromptSpec] = Field(min_length=1)
     max_tokens: int = Field(default=16, ge=1)
@@ -163,8 +181,19 @@ class Scenario(_Strict):
     def prompt_texts(self) -> list[str]:
         return [p.render() for p in self.prompts]
 
-    def role(self, role: Literal["prefill", "decode"]) -> RoleSpec:
+    @property
+    def attaches(self) -> bool:
+        return self.cluster is not None
+
+    def role_spec(self, role: Literal["prefill", "decode"]) -> RoleSpec | None:
         return self.prefill if role == "prefill" else self.decode
+
+    def role(self, role: Literal["prefill", "decode"]) -> RoleSpec:
+        """The role's spec; raises ValueError for an attaching scenario (it has none)."""
+        spec = self.prefill if role == "prefill" else self.decode
+        if spec is None:
+            raise ValueError(f"scenario {self.name} attaches to a cluster: it has no {role} spec")
+        return spec
 
     def resolved_config(self, role: Literal["prefill", "decode"], store_dir: str,
                         instance_dir: str) -> dict[str, Any]:
@@ -176,7 +205,7 @@ class Scenario(_Strict):
         """Connector names P logs `sent to connector <Name>` for, per request."""
         if self.expectations.sent_to_connectors is not None:
             return list(self.expectations.sent_to_connectors)
-        return _sending_names(self.prefill.kv_transfer_config)
+        return _sending_names(self.role("prefill").kv_transfer_config)
 
 
 def _substitute(value: Any, values: dict[str, str]) -> Any:
@@ -210,7 +239,10 @@ _FIXES = {
     "expectations": f"checks may list: {', '.join(CHECK_NAMES)}; sent_to_connectors: connector names",
     "timeout": "use a positive number of seconds",
     "store": "use a directory path, or null for a fresh directory per run",
+    "cluster": "cluster: {attach: FILE} verifies the running cluster an attach file describes",
 }
+# Keys that describe a cluster kvctl launches: an attaching scenario ignores them.
+_LAUNCH_ONLY = ("runtime", "model", "served_model_name", "image", "gpus", "store", "timeout")
 
 
 def _known_keys(parent: tuple) -> list[str]:
@@ -222,6 +254,8 @@ def _known_keys(parent: tuple) -> list[str]:
         model = Expectations
     elif parent[:1] == ("prompts",):
         model = PromptSpec
+    elif parent[:1] == ("cluster",):
+        model = ClusterRef
     return list(model.model_fields)
 
 
@@ -248,14 +282,28 @@ def check_scenario(obj: object) -> list[ConfigProblem]:
             for p in check_kv_transfer_config(cfg):
                 p.path = "$." + role + ".kv_transfer_config" + p.path[1:]
                 problems.append(p)
-    if scenario is not None:
+    missing = [] if raw.get("cluster") is not None else [r for r in ("prefill", "decode") if raw.get(r) is None]
+    problems += [ConfigProblem(f"$.{role}", f"required key {role!r} is missing", _FIXES[role]) for role in missing]
+    if scenario is not None and scenario.attaches:
+        problems += _attach_checks(scenario, raw)
+    elif scenario is not None and not missing:
         problems += _cross_checks(scenario)
+    return problems
+
+
+def _attach_checks(s: Scenario, raw: dict) -> list[ConfigProblem]:
+    """An attaching scenario: the attach file says the instances; launch keys do nothing."""
+    problems = [ConfigProblem(f"$.{role}", f"{role} is for a cluster kvctl launches; this scenario attaches",
+                              "remove it: the attach file names the instances (and their kv_transfer_config)")
+                for role in ("prefill", "decode") if raw.get(role) is not None]
+    problems += [ConfigProblem(f"$.{key}", "ignored: the scenario attaches to a running cluster",
+                               "remove it", "warning") for key in _LAUNCH_ONLY if key in raw]
     return problems
 
 
 def _cross_checks(s: Scenario) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
-    p_cfg, d_cfg = s.prefill.kv_transfer_config, s.decode.kv_transfer_config
+    p_cfg, d_cfg = s.role("prefill").kv_transfer_config, s.role("decode").kv_transfer_config
     if acts(p_cfg.get("kv_role"), "recv") and not acts(p_cfg.get("kv_role"), "send"):
         problems.append(ConfigProblem("$.prefill.kv_transfer_config.kv_role",
                                       "the prefill instance must send KV, but kv_consumer only receives",
@@ -282,12 +330,12 @@ def _cross_checks(s: Scenario) -> list[ConfigProblem]:
 
 
 def _check_store_paths(s: Scenario) -> list[ConfigProblem]:
-    p_path = transfer_store(s.prefill.kv_transfer_config, "send")
-    d_path = transfer_store(s.decode.kv_transfer_config, "recv")
+    p_path = transfer_store(s.role("prefill").kv_transfer_config, "send")
+    d_path = transfer_store(s.role("decode").kv_transfer_config, "recv")
     checks = s.expectations.checks
     problems: list[ConfigProblem] = []
-    p_sends = acts(s.prefill.kv_transfer_config.get("kv_role"), "send")
-    d_receives = acts(s.decode.kv_transfer_config.get("kv_role"), "recv")
+    p_sends = acts(s.role("prefill").kv_transfer_config.get("kv_role"), "send")
+    d_receives = acts(s.role("decode").kv_transfer_config.get("kv_role"), "recv")
     if p_path is None and p_sends and ("store_entry_written" in checks or d_path is not None):
         problems.append(ConfigProblem(
             "$.prefill.kv_transfer_config",
@@ -360,7 +408,7 @@ def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
     if s.image is not None and s.runtime == "local":
         problems.append(ConfigProblem("$.image", "ignored by the local runtime",
                                       "remove it, or use runtime: docker", "warning"))
-    if s.runtime != "local" and (s.prefill.docker_host or "") != (s.decode.docker_host or ""):
+    if s.runtime != "local" and (s.role("prefill").docker_host or "") != (s.role("decode").docker_host or ""):
         if s.store is None:
             problems.append(ConfigProblem(
                 "$.store", "P and D run on different docker hosts, but store is a fresh local directory "

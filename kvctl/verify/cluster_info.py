@@ -63,7 +63,7 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
     """ClusterInfo from a ClusterState or its cluster.json dict.
 
     `prefill`/`decode` name the instances requests go to; default: the one
-    named after its role (a 1P1D cluster), else the first of the role by name.
+    named after its role (a 1P1D cluster), else the first of the role listed.
     Raises BadInput naming the missing field or the unknown instance.
     """
     d = state.to_json() if isinstance(state, ClusterState) else state
@@ -100,7 +100,7 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
                             log_command=command, unobservable=why)
 
     def pick(role: str, wanted: str | None) -> str:
-        of_role = sorted(k for k, v in instances.items() if isinstance(v, Mapping) and v.get("role", k) == role)
+        of_role = [k for k, v in instances.items() if isinstance(v, Mapping) and v.get("role", k) == role]
         if wanted is not None:
             if wanted not in of_role:
                 raise BadInput(f"cluster {name!r} has no {role} instance named {wanted!r}", field=role,
@@ -110,7 +110,7 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
             return role  # need() names it when it is missing
         return of_role[0]
 
-    all_infos = () if managed else tuple(instance(k) for k in sorted(instances))
+    all_infos = () if managed else tuple(instance(k) for k in instances)
     p_key, d_key = pick("prefill", prefill), pick("decode", decode)
     model = d.get("served_model_name") or need(d, "model", "")
     store = d.get("store")
