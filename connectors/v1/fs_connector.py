@@ -208,8 +208,9 @@ class FSConnector(KVConnectorBase_V1):
         start, check, reason = asked
         if num_external_tokens:
             reason = ""
-        elif not reason:
-            reason = f"vLLM took no tokens from the store (local prefix cache holds {start})"
+        elif not reason:  # the entry was there: under MultiConnector another child may have won
+            reason = (f"entry found, vLLM took no tokens from it (another connector's load or the "
+                      f"local prefix cache, which holds {start})")
         self._pending[req_id] = _Pending(request, check, start, start + num_external_tokens, reason)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:

@@ -18,7 +18,7 @@ backend, physical order given by strides):
     FLASH_ATTN, TRITON_ATTN,  [B, H, N, 2 * head_size], token n of head h in block b
     FLEX_ATTENTION            is [b, h, n, :head_size] (K) and [b, h, n, head_size:] (V)
                               -> SplitChannelLayout
-    earlier V1 FLASH_ATTN     [2, B, N, H, head_size] (vLLM <= 0.10)
+    earlier V1 FLASH_ATTN     [2, B, N, H, head_size] (V1 releases before the standard view)
                               -> connectors.v0.kv_layout.FlashAttentionLayout (same slots)
 
 ``N`` is the kernel block size: a backend that needs smaller blocks than the
