@@ -1,0 +1,101 @@
+"""Attach on real vLLM servers: a cluster launched as `src` is attached again as a cluster
+kvctl did not start, from its URLs, log files and store, and verified; `down` refuses it,
+`detach` forgets it, and `src` keeps running throughout.
+
+One module-scoped launch serves every test here (this machine has 2 cores, and the
+servers take the run-wide vLLM slot for as long as the module runs).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import Kvctl, live_processes_under
+
+from kvctl.attach.attach import detach_cluster
+from kvctl.cluster.lifecycle import down
+from kvctl.cluster.state import list_clusters, load_cluster
+
+
+def e2e(test):
+    return pytest.mark.xdist_group("vllm")(pytest.mark.e2e(test))
+
+
+LAUNCH_TIMEOUT_S = 600
+VERIFY_TIMEOUT_S = 300
+PROMPTS = ("--prompt", "Hello, how are you?", "--prompt", "Grüße aus Köln")
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory, shared_dir, rig_python, tiny_model) -> Iterator[tuple[Kvctl, dict]]:
+    """`kvctl launch 1p1d --name src`, held for the module; torn down (and every attachment forgotten) after."""
+    home = tmp_path_factory.mktemp("attach-e2e-home")
+    kvctl = Kvctl(home)
+    previous = os.environ.get("KVCTL_HOME")
+    os.environ["KVCTL_HOME"] = str(home)  # for the library calls of the teardown
+    with open(shared_dir / "vllm-slot.lock", "w") as slot:
+        fcntl.flock(slot, fcntl.LOCK_EX)
+        try:
+            r = kvctl("launch", "1p1d", "--name", "src", "--model", str(tiny_model), "--json",
+                      timeout=LAUNCH_TIMEOUT_S)
+            assert r.rc == 0, r
+            yield kvctl, json.loads(r.stdout)
+        finally:
+            for name in list_clusters():
+                if load_cluster(name).managed:
+                    down(name)
+                else:
+                    detach_cluster(name)
+            if previous is None:
+                os.environ.pop("KVCTL_HOME", None)
+            else:
+                os.environ["KVCTL_HOME"] = previous
+            assert live_processes_under(home) == []
+
+
+def _attach(kvctl: Kvctl, state: dict, name: str, *, logs: tuple[str, str] | None = None,
+            store: bool = True) -> dict:
+    p, d = state["instances"]["prefill"], state["instances"]["decode"]
+    p_log, d_log = logs or (p["log_path"], d["log_path"])
+    args = ["attach", name, "--prefill", p["url"], "--decode", d["url"], "--prefill-log", p_log,
+            "--decode-log", d_log, "--json"]
+    if store:
+        args += ["--store", state["store"]]
+    r = kvctl(*args)
+    assert r.rc == 0, r
+    return json.loads(r.stdout)
+
+
+@e2e
+def test_attach_from_urls_and_log_files_verifies_then_detaches(src):
+    kvctl, state = src
+    attached = _attach(kvctl, state, "other")
+    assert attached["managed"] is False and attached["served_model_name"] == state["served_model_name"]
+    assert attached["store"] == state["store"] and attached["notes"] == []
+
+    r = kvctl("status", "--name", "other", "--json")
+    assert r.rc == 0, r
+    assert json.loads(r.stdout)["healthy"] is True
+
+    r = kvctl("verify", "--name", "other", *PROMPTS, "--max-tokens", "8", "--json", timeout=VERIFY_TIMEOUT_S)
+    assert r.rc == 0, r
+    report = json.loads(r.stdout)
+    assert report["cluster"] == "other" and report["passed"] is True
+    assert all(c["passed"] for req in report["requests"] for c in req["checks"])
+
+    r = kvctl("inspect-store", "--name", "other", "--json")
+    assert r.rc == 0 and json.loads(r.stdout)["entries"], r
+
+    r = kvctl("down", "--name", "other")
+    assert r.rc == 2 and "was attached, not started by kvctl" in r.stderr, r
+    r = kvctl("detach", "other")
+    assert r.rc == 0 and "its servers keep running" in r.stderr, r
+    assert "other" not in list_clusters()
+    for inst in state["instances"].values():  # `src` was never touched
+        assert httpx.get(f"{inst['url']}/health", timeout=5).status_code == 200
