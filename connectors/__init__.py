@@ -1,14 +1,19 @@
-"""KV connectors for vLLM: FSConnector and MultiConnectorV0, and the FS store they share.
+"""KV connectors for vLLM: FSConnector (V0 and V1), MultiConnectorV0, and the FS store they share.
 
 Packages (each may import only those listed before it):
 
     store/    the on-disk format (no torch, no vLLM), eviction, the torch-side store
     config/   KV-transfer config: validation, the multi-connector topology (no torch, no vLLM)
+    served_model.py  the model identity in store keys, from vLLM's model config (no vLLM import)
+    registry.py      the one place that reads vLLM's KVConnectorFactory registry
     v0/       vLLM V0 engine integration: connectors, KV layouts, batch slicing, CPU worker
+    v1/       vLLM V1 integration: FSConnector (KVConnectorBase_V1), KV layouts, transfer
+              decisions; may import v0.kv_layout (V1 reuses the flash adapter)
     logs.py   loggers named under "vllm.kvctl." (any package)
-    plugin.py the vllm.general_plugins entry point; registers the connectors lazily
+    plugin.py the vllm.general_plugins entry point; registers the connectors of the
+              running engine (V0 on vLLM 0.9.x, V1 on vLLM >= 0.11) lazily
 
 kvctl imports `store` and `config` only (its rig-side benchmark `kvctl.bench.layout`
-also runs `v0.kv_layout`); `v0` is loaded by vLLM through the plugin.
+also runs `v0.kv_layout`); `v0`/`v1` are loaded by vLLM through the plugin.
 `connectors` never imports `kvctl`.
 """

@@ -50,7 +50,7 @@ def register() -> None:
     Raises ValueError for a malformed KVCTL_EXTRA_CONNECTORS and
     RegistryUnavailable when vLLM's factory keeps no name registry.
     """
-    from connectors.v0.registry import register_once
+    from connectors.registry import register_once
 
     log = logging.getLogger("vllm.kvctl.plugin")
     if has_v0_connector_api():

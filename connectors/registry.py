@@ -27,7 +27,7 @@ def _registry() -> Mapping:
         raise RegistryUnavailable(
             f"vLLM {vllm.__version__}: KVConnectorFactory._registry is "
             f"{'missing' if found is None else type(found).__name__ + ', not a dict'}; "
-            "connectors.v0.registry reads the registered KV connector names from it "
+            "connectors.registry reads the registered KV connector names from it "
             "(as in vLLM 0.9.x) and needs updating for this vLLM")
     return found
 

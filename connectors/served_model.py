@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from connectors.config.validate import ConfigProblem
-from connectors.store.model_identity import ModelIdentityError, served_model_key, weights_identity
+from connectors.store.model_identity import served_model_key, weights_identity
 
 if TYPE_CHECKING:
     from vllm.config import ModelConfig

@@ -14,7 +14,8 @@ import pytest
 import vllm  # noqa: F401  (runs in the rig; a missing vLLM must fail, not skip)
 
 from connectors.config.validate import ConfigError  # noqa: E402
-from connectors.v0.fs_connector import _refuse_unsupported, _resolve_store_path  # noqa: E402
+from connectors.config.validate import open_store_dir  # noqa: E402
+from connectors.v0.fs_connector import _refuse_unsupported  # noqa: E402
 
 
 def vllm_config(prefix=False, chunked=False, pp=1):
@@ -41,7 +42,7 @@ def test_supported_settings_pass():
 
 def test_relative_store_path_resolves_against_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert _resolve_store_path("fs_local_storage") == tmp_path / "fs_local_storage"
+    assert open_store_dir("fs_local_storage") == tmp_path / "fs_local_storage"
     assert (tmp_path / "fs_local_storage").is_dir()
 
 
@@ -49,7 +50,7 @@ def test_store_path_that_cannot_be_created_names_the_field(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(ConfigError) as e:
-        _resolve_store_path(str(blocker / "store"))
+        open_store_dir(str(blocker / "store"))
     [problem] = e.value.problems
     assert problem.path.endswith("fs_storage_path") and "cannot create" in problem.message
 

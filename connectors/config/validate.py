@@ -30,8 +30,10 @@ Which child sends, receives, carries the transfer or stores where is
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -418,3 +420,25 @@ def _check_transfer_children(cfg: dict, path: str) -> list[ConfigProblem]:
             "no child is marked transfer, so FSConnector may key on an input another child rebuilt",
             'add "transfer": true to the FSConnector child that feeds the decode instance', "warning"))
     return problems
+
+
+def open_store_dir(path: str) -> Path:
+    """A connector's store dir, absolute (relative paths: the server's cwd, as in the seed).
+
+    Creates it when missing. Raises ConfigError when it cannot be created or
+    written: the server refuses to start rather than failing every publish.
+    """
+    root = Path(path).expanduser()
+    if not root.is_absolute():
+        root = Path.cwd() / root
+    where = "$.kv_connector_extra_config.fs_storage_path"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError([ConfigProblem(where, f"cannot create store directory {root}: {e.strerror}",
+                                         "point fs_storage_path at a directory this server can create "
+                                         "and write")]) from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise ConfigError([ConfigProblem(where, f"store directory {root} is not writable by this server",
+                                         "fix the directory's permissions or choose another fs_storage_path")])
+    return root

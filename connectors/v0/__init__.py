@@ -5,15 +5,13 @@
     kv_layout.py        gather/scatter adapters, one per V0 paged-cache layout,
                         chosen by attention backend name (torch only, no vLLM)
     attn_backend.py     which attention backend shaped a worker's KV caches
-    registry.py         vLLM's KVConnectorFactory registry: the one place that reads it
     batch.py            slicing a V0 batch into per-request prefills, and which requests
                         can't be keyed by token ids (LoRA, multimodal, prompt embeds/adapters)
-    served_model.py     the `model` part of store keys from vLLM's ModelConfig (weights
-                        identity + dtype, quantization, RoPE/config overrides)
     cpu_worker.py       the CPU worker with the GPU runner's recv -> forward -> send hooks
                         (``--worker-cls connectors.v0.cpu_worker.KVTransferCPUWorker``)
 
-May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.logs`.
+May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.logs`,
+`connectors.served_model`, `connectors.registry`.
 Loaded only inside vLLM processes (through `connectors.plugin`); `kvctl.bench`
 imports `kv_layout` inside the rig.
 """

@@ -11,7 +11,7 @@ first generated token; every later token comes from the KV.
 
 Keys hash the prompt's token ids under an identity whose `model` part names
 the weights and the serving settings that change KV
-(connectors.v0.served_model: a Hugging Face commit or a content fingerprint
+(connectors.served_model: a Hugging Face commit or a content fingerprint
 of the weights, plus dtype, quantization, RoPE and config overrides; the
 ``model_id`` setting replaces the weights part). It is computed once at
 start-up and logged. A request whose KV depends on more than its token ids
@@ -38,9 +38,7 @@ adapter are refused at start-up.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Union
 
 import torch
@@ -48,12 +46,12 @@ import torch
 from connectors.store import format as fmt
 from connectors.store.model_identity import ModelIdentityError
 from connectors.v0.batch import split_prefills, span_slots, span_tokens
-from connectors.config.validate import ConfigError, ConfigProblem, parse_fs_settings
+from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.kv_layout import (CacheGeometry, KVLayout, UnsupportedLayout, layout_for_backend,
                                      select_layout)
-from connectors.v0.served_model import served_model_identity, unkeyable_input_problems
+from connectors.served_model import served_model_identity, unkeyable_input_problems
 from connectors.logs import get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -83,7 +81,7 @@ class FSConnector(KVConnectorBase):
             problems = unkeyable_input_problems(config.model_config)
             if problems:
                 raise ConfigError(problems)
-            self.root = _resolve_store_path(self.settings.fs_storage_path)
+            self.root = open_store_dir(self.settings.fs_storage_path)
             self.model_id, described = _model_identity(config.model_config, self.settings.model_id)
         except ConfigError as e:
             logger.error("FSConnector: cannot start:\n%s", e)
@@ -284,30 +282,6 @@ def _model_identity(model_config, model_id: str | None) -> tuple[str, str]:
     except ModelIdentityError as e:
         problems = [ConfigProblem("--model", e.message, e.fix)]
         raise ConfigError(problems) from e
-
-
-def _resolve_store_path(path: str) -> Path:
-    """Absolute store dir (relative to the server's cwd, as in the seed), created if needed."""
-    root = Path(path).expanduser()
-    if not root.is_absolute():
-        root = Path.cwd() / root
-    problems = []
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        problems.append(ConfigProblem(
-            "$.kv_connector_extra_config.fs_storage_path",
-            f"cannot create store directory {root}: {e.strerror}",
-            "point fs_storage_path at a directory this server can create and write"))
-    else:
-        if not os.access(root, os.W_OK | os.X_OK):
-            problems.append(ConfigProblem(
-                "$.kv_connector_extra_config.fs_storage_path",
-                f"store directory {root} is not writable by this server",
-                "fix the directory's permissions or choose another fs_storage_path"))
-    if problems:
-        raise ConfigError(problems)
-    return root
 
 
 def _refuse_unsupported(config: "VllmConfig") -> None:

@@ -36,7 +36,7 @@ from connectors.config import topology
 from connectors.config.validate import ConfigError, validate_kv_transfer_config
 from connectors.v0.batch import split_prefills
 from connectors.logs import get_logger
-from connectors.v0.registry import registered_connectors
+from connectors.registry import registered_connectors
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory

@@ -57,20 +57,18 @@ loaded (and the first two never stored), with the reason logged.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors.config.validate import ConfigError, ConfigProblem, parse_fs_settings
+from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
 from connectors.logs import get_logger
 from connectors.store import format as fmt
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.store.model_identity import ModelIdentityError
-from connectors.v0.served_model import served_model_identity, unkeyable_input_problems
+from connectors.served_model import served_model_identity, unkeyable_input_problems
 from connectors.v1 import transfer
 from connectors.v1.kv_layout import UnsupportedLayout, ordered_layers, select_layout
 from connectors.v1.transfer import LoadSpec, SaveSpec, Skip, StepPlan
@@ -129,7 +127,7 @@ class FSConnector(KVConnectorBase_V1):
             problems = _unsupported(vllm_config, kv_cache_config) + unkeyable_input_problems(model_config)
             if problems:
                 raise ConfigError(problems)
-            self.root = _resolve_store_path(self.settings.fs_storage_path)
+            self.root = open_store_dir(self.settings.fs_storage_path)
             self.model_id, described = _model_identity(model_config, self.settings.model_id)
         except ConfigError as e:
             logger.error("FSConnector: cannot start:\n%s", e)
@@ -498,20 +496,3 @@ def _model_identity(model_config, model_id: str | None) -> tuple[str, str]:
         problems = [ConfigProblem("--model", e.message, e.fix)]
         raise ConfigError(problems) from e
 
-
-def _resolve_store_path(path: str) -> Path:
-    """Absolute store dir (relative to the server's cwd), created if needed. Raises ConfigError."""
-    root = Path(path).expanduser()
-    if not root.is_absolute():
-        root = Path.cwd() / root
-    where = "$.kv_connector_extra_config.fs_storage_path"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError([ConfigProblem(where, f"cannot create store directory {root}: {e.strerror}",
-                                         "point fs_storage_path at a directory this server can create "
-                                         "and write")]) from None
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise ConfigError([ConfigProblem(where, f"store directory {root} is not writable by this server",
-                                         "fix the directory's permissions or choose another fs_storage_path")])
-    return root

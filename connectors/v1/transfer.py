@@ -15,7 +15,7 @@ key, so:
   KV is used and its hidden state ignored.
 
 Everything else in the identity is the V0 rule (connectors.store.format):
-model (weights + serving settings, connectors.v0.served_model), layers,
+model (weights + serving settings, connectors.served_model), layers,
 kv_parts, kv_heads and head_size per TP rank, KV dtype, TP rank and size.
 The block size is not in it: entries are token-major.
 
