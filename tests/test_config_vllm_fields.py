@@ -19,7 +19,7 @@ from vllm.config import KVTransferConfig
 
 from connectors import plugin
 from connectors.config.validate import KNOWN_V0_CONNECTORS, KNOWN_V1_CONNECTORS, KV_TRANSFER_FIELDS
-from connectors.v0.registry import registered_connectors
+from connectors.registry import registered_connectors
 
 FIELDS = {f.name: f for f in dataclasses.fields(KVTransferConfig)}
 HINTS = typing.get_type_hints(KVTransferConfig)

@@ -22,7 +22,7 @@ from connectors.store.fs_store import FSStore
 from connectors.v0.batch import split_prefills
 from connectors.v0.fs_connector import FSConnector, _model_identity
 from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout
-from connectors.v0.served_model import unkeyable_input_problems
+from connectors.served_model import unkeyable_input_problems
 from vllm.lora.layers import LoRAMapping
 from vllm.multimodal.inputs import MultiModalKwargs
 

@@ -1,4 +1,4 @@
-"""connectors.v0.registry and the attention backend lookup against the rig's real vLLM."""
+"""connectors.registry and the attention backend lookup against the rig's real vLLM."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
 from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.kv_layout import BACKEND_LAYOUTS, CacheGeometry, PagedAttentionLayout, layout_for_backend
-from connectors.v0.registry import RegistryUnavailable, register_once, registered_connectors
+from connectors.registry import RegistryUnavailable, register_once, registered_connectors
 
 
 def test_register_once_registers_a_name_once(monkeypatch):
@@ -30,7 +30,7 @@ def test_a_vllm_without_the_registry_dict_gets_a_clear_error(monkeypatch, value)
         monkeypatch.setattr(KVConnectorFactory, "_registry", value)
     with pytest.raises(RegistryUnavailable, match=r"KVConnectorFactory\._registry is (missing|list)"):
         registered_connectors()
-    with pytest.raises(RegistryUnavailable, match="connectors.v0.registry"):
+    with pytest.raises(RegistryUnavailable, match="connectors.registry"):
         register_once("X", "m", "C")
 
 
