@@ -64,7 +64,7 @@ class OverlayPlan:
     files: tuple[tuple[str, Path], ...]  # (path under site/, source file)
     dist_info: tuple[tuple[str, str], ...]  # (path under site/, text)
     packages: dict[str, str]  # package -> the directory it was copied from
-    distribution: str  # where the distribution's metadata was found
+    distribution: str  # the directory its distribution metadata was found in
     version: str
 
     def file_count(self) -> int:
@@ -126,7 +126,7 @@ def _dist_info() -> tuple[tuple[tuple[str, str], ...], str, str]:
     if not entry_points:
         raise BadInput(f"the installed {DISTRIBUTION} metadata declares no "
                        f"{' or '.join(ENTRY_POINT_GROUPS)} entry point",
-                       where=str(getattr(dist, "_path", DISTRIBUTION)),
+                       where=_location(dist),
                        fix="reinstall kvctl from a complete source or wheel")
     version = dist.version
     lines, group = [], None
@@ -141,7 +141,12 @@ def _dist_info() -> tuple[tuple[tuple[str, str], ...], str, str]:
              (f"{info}/entry_points.txt", "\n".join(lines) + "\n"),
              (f"{info}/INSTALLER", "kvctl-overlay\n"),
              (f"{info}/RECORD", ""))
-    return files, str(getattr(dist, "_path", "")), version
+    return files, _location(dist), version
+
+
+def _location(dist: importlib.metadata.Distribution) -> str:
+    """The directory holding the distribution's metadata (site-packages, or a checkout's root)."""
+    return str(Path(str(dist.locate_file(""))).absolute())
 
 
 def plan_overlay() -> OverlayPlan:
