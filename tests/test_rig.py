@@ -386,3 +386,20 @@ def test_real_rig_patched_vllm_c_only_if_the_system_needs_it():
     assert all(bool(flags & VER_FLG_WEAK) == needed for _lib, _v, flags, _off in reqs)
     patch_note = next(s["note"] for s in st["steps"] if s["name"] == "libstdcxx-patch")
     assert ("made weak" in patch_note or "already weak" in patch_note) == needed
+
+
+def test_make_stops_with_the_reason_when_the_rig_is_missing(tmp_path):
+    """No empty interpreter path: `make test-env` stops at `kvctl rig venv`, with its message."""
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("make") is None or not (root / ".venv" / "bin" / "kvctl").exists():
+        pytest.skip("needs make and the light .venv (`make venv`)")
+    env = {**os.environ, "KVCTL_HOME": str(tmp_path / "home")}
+    env.pop(rig.PYTHON_ENV, None)
+    env.pop(rig.SPEC_ENV, None)
+    # -o: take the rig and venv targets as done, so only the test env's recipe runs.
+    out = subprocess.run(["make", "-o", "rig", "-o", "venv", "test-env"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "CPU rig (engine v0) not installed" in out.stderr and "kvctl rig install" in out.stderr
+    assert "Permission denied" not in out.stderr
+    assert not (tmp_path / "home").exists()  # nothing was made
