@@ -21,7 +21,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -65,6 +65,42 @@ class LogFile:
                 return f.read().decode("utf-8", errors="replace")
         except FileNotFoundError:
             return ""
+
+
+class LogPool:
+    """The logs of several instances of one role, read together.
+
+    A request through the endpoint (the router) may land on any instance of a
+    pool, so its evidence is looked for in all of their logs. Same interface
+    as LogFile, with one offset per instance.
+    """
+
+    def __init__(self, instances: Sequence[InstanceInfo]):
+        self.instances = tuple(instances)
+        self.files = tuple(LogFile(i.log_path) for i in self.instances)
+
+    @property
+    def observable(self) -> bool:
+        """At least one of the logs can be read."""
+        return any(f.observable for f in self.files)
+
+    @property
+    def complete(self) -> bool:
+        """Every one of the logs can be read."""
+        return all(f.observable for f in self.files)
+
+    @property
+    def unobservable(self) -> str:
+        """Which logs cannot be read, and why ("" when all can)."""
+        return "; ".join(f"{i.label}: {i.unobservable}" for i, f in zip(self.instances, self.files)
+                         if not f.observable)
+
+    def offset(self) -> tuple[int, ...]:
+        return tuple(f.offset() for f in self.files)
+
+    def read_from(self, offsets: tuple[int, ...]) -> str:
+        texts = [f.read_from(o) for f, o in zip(self.files, offsets)]
+        return "".join(t if t.endswith("\n") or not t else t + "\n" for t in texts)
 
 
 def poll(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float) -> Any:
@@ -178,8 +214,9 @@ def _termination_interrupts() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def capturing_logs(info: ClusterInfo) -> Iterator[ClusterInfo]:
-    """Run the log commands of `info`'s prefill and decode while the block runs.
+def capturing_logs(info: ClusterInfo, every: bool = False) -> Iterator[ClusterInfo]:
+    """Run the log commands of `info`'s prefill and decode (`every`: of all its instances,
+    for requests through the endpoint) while the block runs.
 
     Yields the ClusterInfo to verify with: an instance whose command failed to
     start, or exited with an error before the first request, has no log
@@ -187,7 +224,8 @@ def capturing_logs(info: ClusterInfo) -> Iterator[ClusterInfo]:
     stopped when the block ends, however it ends (Ctrl-C, SIGTERM and SIGHUP
     included). A cluster without log commands is yielded as it is.
     """
-    chosen = {i.label: i for i in (info.prefill, info.decode) if i.log_command and i.log_path is not None}
+    candidates = (*info.all_instances(), info.prefill, info.decode) if every else (info.prefill, info.decode)
+    chosen = {i.label: i for i in candidates if i.log_command and i.log_path is not None}
     if not chosen:
         yield info
         return
