@@ -176,7 +176,7 @@ def test_cli_render_then_attach_from_k8s(tmp_path, monkeypatch, capsys):
     assert "where: NAME" in capsys.readouterr().err
 
 
-def test_render_help_runs_without_the_client():
+def test_render_works_without_the_client():
     """kvctl itself never needs the kubernetes client: only the check imports it."""
     code = ("import sys; sys.modules['kubernetes'] = None\n"
             "from kvctl.k8s.check import check_documents\n"
