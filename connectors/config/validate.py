@@ -25,6 +25,14 @@ Rules beyond vLLM's own `KVTransferConfig`:
 
 Which child sends, receives, carries the transfer or stores where is
 `connectors.config.topology`'s rule; this module only checks configs.
+
+Engines: every check takes the engine the server runs (`v0`, the default:
+vLLM 0.9.x with VLLM_USE_V1=0; `v1`: vLLM 0.11+). V1 configs differ: V1's
+KVTransferConfig fields (`kv_connector_module_path` loads a connector from a
+module, `kv_load_failure_policy`, no `kv_rank`/`kv_ip`...), V1's connector
+names, and vLLM's own `MultiConnector`, whose `connectors` list holds full
+configs, each with its own `kv_role` (loads from the first child that has the
+tokens, saves to all). `required_engine` says which engine a config needs.
 """
 
 from __future__ import annotations
@@ -70,10 +78,23 @@ def registered_v0_connectors(env: Mapping[str, str]) -> tuple[str, ...]:
 
 
 # Registered in the same factory but V1-only: named so the error can say so.
+V1_MULTI_CONNECTOR = "MultiConnector"
 KNOWN_V1_CONNECTORS = (
     "SharedStorageConnector", "P2pNcclConnector", "LMCacheConnectorV1", "NixlConnector",
-    "MultiConnector",
+    V1_MULTI_CONNECTOR,
 )
+# What vLLM 0.32's (V1-only) factory registers (ExampleConnector was SharedStorageConnector).
+VLLM_V1_CONNECTORS = (
+    "ExampleConnector", "ExampleHiddenStatesConnector", "LMCacheConnectorV1", "LMCacheMPConnector",
+    "NixlConnector", "NixlPullConnector", "NixlPushConnector", V1_MULTI_CONNECTOR, "HiSparseConnector",
+    "MoRIIOConnector", "OffloadingConnector", "DecodeBenchConnector", "MooncakeConnector",
+    "MooncakeStoreConnector", "FlexKVConnectorV1", "SimpleCPUOffloadConnector", "HF3FSKVConnector",
+)
+V1_ONLY_CONNECTORS = tuple(dict.fromkeys(
+    KNOWN_V1_CONNECTORS + tuple(n for n in VLLM_V1_CONNECTORS if n not in KNOWN_V0_CONNECTORS)))
+# Names only V0 can build (MooncakeConnector and MooncakeStoreConnector exist in both).
+V0_ONLY_CONNECTORS = ("PyNcclConnector", "LMCacheConnector", MULTI_CONNECTOR)
+ENGINES = ("v0", "v1")
 
 # vLLM 0.9.2 KVTransferConfig fields -> the JSON types each accepts.
 KV_TRANSFER_FIELDS: dict[str, tuple[type, ...]] = {
@@ -90,6 +111,18 @@ KV_TRANSFER_FIELDS: dict[str, tuple[type, ...]] = {
     "kv_connector_module_path": (str,),
 }
 MULTI_EXTRA_KEYS = ("connectors",)
+# vLLM 0.32 KVTransferConfig fields (V1) -> the JSON types each accepts.
+KV_TRANSFER_FIELDS_V1: dict[str, tuple[type, ...]] = {
+    "kv_connector": (str,),
+    "engine_id": (str,),
+    "kv_buffer_device": (str,),
+    "kv_role": (str,),
+    "kv_port": (int,),
+    "kv_connector_extra_config": (dict,),
+    "kv_connector_module_path": (str,),
+    "enable_permute_local_kv": (bool,),
+    "kv_load_failure_policy": (str,),
+}
 
 Severity = Literal["error", "warning"]
 
@@ -257,50 +290,85 @@ def _check_fs_extra(extra: object, prefix: str) -> list[ConfigProblem]:
     return []
 
 
-def check_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None) -> list[ConfigProblem]:
-    """Every problem in a whole `--kv-transfer-config` dict ([] when valid).
+def check_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None,
+                             engine: str = "v0") -> list[ConfigProblem]:
+    """Every problem in a whole `--kv-transfer-config` dict ([] when valid), for `engine`.
 
     `registered`: connector names the V0 factory knows (default
-    KNOWN_V0_CONNECTORS). Never raises.
+    KNOWN_V0_CONNECTORS; on v1, V1's names and FSConnector are added). Never
+    raises (an unknown engine is a problem at `$`).
     """
+    if engine not in ENGINES:
+        return [ConfigProblem("$", f"unknown engine {engine!r}", f"use one of: {', '.join(ENGINES)}")]
     names = tuple(sorted(registered)) if registered is not None else KNOWN_V0_CONNECTORS
-    return _check_config(cfg, "$", names, parent_role=None)
+    if engine == "v1":
+        names = tuple(dict.fromkeys(tuple(n for n in names if n not in V0_ONLY_CONNECTORS)
+                                    + VLLM_V1_CONNECTORS + ("SharedStorageConnector", "P2pNcclConnector")))
+    return _check_config(cfg, "$", names, parent_role=None, engine=engine)
 
 
-def validate_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None) -> None:
+def validate_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None,
+                                engine: str = "v0") -> None:
     """Raise ConfigError listing every error (warnings alone pass)."""
-    problems = check_kv_transfer_config(cfg, registered)
+    problems = check_kv_transfer_config(cfg, registered, engine)
     if any(p.severity == "error" for p in problems):
         raise ConfigError(problems)
 
 
+def required_engine(cfg: object) -> str | None:
+    """The engine a config needs: "v0", "v1", or None when either runs it (FSConnector alone).
+
+    Reads names only (V0-only or V1-only connectors, `kv_connector_module_path`,
+    children of a multi connector); never raises.
+    """
+    if not isinstance(cfg, dict):
+        return None
+    name = cfg.get("kv_connector")
+    if name in V0_ONLY_CONNECTORS:
+        return "v0"
+    if name in V1_ONLY_CONNECTORS or cfg.get("kv_connector_module_path") is not None:
+        return "v1"
+    return None
+
+
 def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
-                  parent_role: str | None) -> list[ConfigProblem]:
+                  parent_role: str | None, engine: str = "v0") -> list[ConfigProblem]:
     if not isinstance(cfg, dict):
         return [ConfigProblem(prefix, f"must be an object, got {_type_name(cfg)}",
                               'use {"kv_connector": "<name>", "kv_role": "<role>", ...}')]
     problems: list[ConfigProblem] = []
     name = cfg.get("kv_connector")
+    multi = V1_MULTI_CONNECTOR if engine == "v1" else MULTI_CONNECTOR
+    fields = KV_TRANSFER_FIELDS_V1 if engine == "v1" else KV_TRANSFER_FIELDS
     # Our connectors' extra config gets its own, more specific check below.
-    own_extra = name in (FS_CONNECTOR, MULTI_CONNECTOR)
+    own_extra = name in (FS_CONNECTOR, multi)
     for key, value in cfg.items():
         if key == "kv_connector_extra_config" and own_extra:
             continue
-        if key not in KV_TRANSFER_FIELDS:
-            problems.append(ConfigProblem(json_path(prefix, key), f"unknown key {key!r} (vLLM refuses it)",
-                                          _unknown_key_fix(key, KV_TRANSFER_FIELDS)))
-        elif value is not None and not _is_type(value, KV_TRANSFER_FIELDS[key]) and key not in (
+        if key not in fields:
+            where = "vLLM V1 refuses it" if engine == "v1" else "vLLM refuses it"
+            problems.append(ConfigProblem(json_path(prefix, key), f"unknown key {key!r} ({where})",
+                                          _unknown_key_fix(key, fields)))
+        elif value is not None and not _is_type(value, fields[key]) and key not in (
                 "kv_connector", "kv_role"):
-            types = KV_TRANSFER_FIELDS[key]
+            types = fields[key]
             want = "a number" if float in types else _JSON_TYPE_NAMES[types[0]]
             problems.append(ConfigProblem(json_path(prefix, key), f"must be {want}, got {_shown(value)}",
                                           f"give {key} as {want}" + (", without quotes" if str not in types else "")))
-    if cfg.get("kv_connector_module_path") is not None:
+    module_path = cfg.get("kv_connector_module_path")
+    if module_path is not None and engine == "v0":
         problems.append(ConfigProblem(json_path(prefix, "kv_connector_module_path"),
                                       "ignored by vLLM V0 (V1-only); V0 finds connectors by name only",
                                       "remove it; our connectors register through the vllm.general_plugins "
                                       "entry point", "warning"))
-    problems += _check_name(name, prefix, registered, nested=parent_role is not None)
+    policy = cfg.get("kv_load_failure_policy")
+    if engine == "v1" and isinstance(policy, str) and policy not in ("recompute", "fail"):
+        problems.append(ConfigProblem(json_path(prefix, "kv_load_failure_policy"),
+                                      f"{_shown(policy)} is not a policy", "use recompute or fail"))
+    if engine == "v1" and isinstance(module_path, str) and isinstance(name, str):
+        pass  # vLLM imports the class named `name` from that module: any name is fine
+    else:
+        problems += _check_name(name, prefix, registered, nested=parent_role is not None, engine=engine)
     role = cfg.get("kv_role")
     problems += _check_role(role, prefix, parent_role)
 
@@ -308,8 +376,8 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
     extra = cfg.get("kv_connector_extra_config")
     if name == FS_CONNECTOR:
         problems += _check_fs_extra(extra, extra_path)
-    elif name == MULTI_CONNECTOR and parent_role is None:
-        problems += _check_multi(cfg, extra_path, registered)
+    elif name == multi and parent_role is None:
+        problems += _check_multi(cfg, extra_path, registered, engine)
     return problems
 
 
@@ -319,10 +387,13 @@ def _is_type(value: object, types: tuple[type, ...]) -> bool:
     return isinstance(value, types)
 
 
-def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: bool) -> list[ConfigProblem]:
+def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: bool,
+                engine: str = "v0") -> list[ConfigProblem]:
     path = json_path(prefix, "kv_connector")
+    if engine == "v1":
+        return _check_name_v1(name, path, registered, nested)
     # vLLM's factory registry also holds V1-only names; V0 cannot build those.
-    listing = ", ".join(n for n in registered if n not in KNOWN_V1_CONNECTORS)
+    listing = ", ".join(n for n in registered if n not in V1_ONLY_CONNECTORS)
     if name is None:
         return [ConfigProblem(path, "required key 'kv_connector' is missing",
                               f"name the connector; registered V0 connectors: {listing}")]
@@ -332,15 +403,38 @@ def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: 
     if nested and name == MULTI_CONNECTOR:
         return [ConfigProblem(path, "a MultiConnectorV0 child cannot itself be MultiConnectorV0",
                               "list its connectors directly in the parent's connectors")]
-    if name in KNOWN_V1_CONNECTORS:
+    if name in V1_ONLY_CONNECTORS:
         return [ConfigProblem(path, f"{name!r} is a vLLM V1 connector; V0 (VLLM_USE_V1=0) cannot build it",
-                              f"use a V0 connector: {listing}")]
+                              f"use a V0 connector: {listing}, or run the server on engine v1")]
     if name in registered:
         return []
     guess = did_you_mean(name, registered)
     hint = f"did you mean {guess!r}? " if guess else ""
     return [ConfigProblem(path, f"unknown connector {name!r}",
                           f"{hint}registered V0 connectors: {listing}")]
+
+
+def _check_name_v1(name: object, path: str, registered: tuple[str, ...], nested: bool) -> list[ConfigProblem]:
+    listing = ", ".join(registered)
+    if name is None:
+        return [ConfigProblem(path, "required key 'kv_connector' is missing",
+                              f"name the connector; registered V1 connectors: {listing}")]
+    if not isinstance(name, str):
+        return [ConfigProblem(path, f"must be a string, got {_shown(name)}",
+                              f"use a connector name; registered V1 connectors: {listing}")]
+    if nested and name == V1_MULTI_CONNECTOR:
+        return [ConfigProblem(path, "a MultiConnector child cannot itself be MultiConnector",
+                              "list its connectors directly in the parent's connectors")]
+    if name in V0_ONLY_CONNECTORS:
+        fix = "use vLLM's MultiConnector" if name == MULTI_CONNECTOR else f"use a V1 connector: {listing}"
+        return [ConfigProblem(path, f"{name!r} is a vLLM V0 connector; V1 cannot build it",
+                              f"{fix}, or run the server on engine v0")]
+    if name in registered:
+        return []
+    guess = did_you_mean(name, registered)
+    hint = f"did you mean {guess!r}? " if guess else ""
+    return [ConfigProblem(path, f"unknown connector {name!r}",
+                          f"{hint}registered V1 connectors: {listing} (or load it with kv_connector_module_path)")]
 
 
 def _check_role(role: object, prefix: str, parent_role: str | None) -> list[ConfigProblem]:
@@ -364,17 +458,18 @@ def _check_role(role: object, prefix: str, parent_role: str | None) -> list[Conf
     return []
 
 
-def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...]) -> list[ConfigProblem]:
+def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...], engine: str = "v0") -> list[ConfigProblem]:
     extra = cfg.get("kv_connector_extra_config")
+    multi = V1_MULTI_CONNECTOR if engine == "v1" else MULTI_CONNECTOR
     parent_role = cfg["kv_role"] if cfg.get("kv_role") in ROLES else None
     example = '"connectors": [{"kv_connector": "FSConnector", "kv_role": "kv_producer", ...}, ...]'
     path = json_path(prefix, "connectors")
     if extra is None:
-        return [ConfigProblem(path, "MultiConnectorV0 needs a list of child connectors",
+        return [ConfigProblem(path, f"{multi} needs a list of child connectors",
                               f"add kv_connector_extra_config with {example}")]
     if not isinstance(extra, dict):
         return [ConfigProblem(prefix, f"must be an object, got {_type_name(extra)}", f"use {{{example}}}")]
-    problems = [ConfigProblem(json_path(prefix, k), f"unknown key {k!r} for MultiConnectorV0",
+    problems = [ConfigProblem(json_path(prefix, k), f"unknown key {k!r} for {multi}",
                               _unknown_key_fix(k, MULTI_EXTRA_KEYS))
                 for k in extra if k not in MULTI_EXTRA_KEYS]
     children = extra.get("connectors")
@@ -384,12 +479,13 @@ def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...]) -> list[Co
         return problems + [ConfigProblem(path, f"must be an array, got {_type_name(children)}",
                                          f"use {example}")]
     if not children:
-        return problems + [ConfigProblem(path, "is empty: MultiConnectorV0 needs at least one child",
+        return problems + [ConfigProblem(path, f"is empty: {multi} needs at least one child",
                                          f"list the child connectors: {example}")]
     # A role problem on the parent is reported there; children then get no role check.
     for i, child in enumerate(children):
-        problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both")
-    problems += _check_transfer_children(cfg, path)
+        problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both", engine)
+    if engine == "v0":  # V1's MultiConnector has no transfer child: it loads from the first that has tokens
+        problems += _check_transfer_children(cfg, path)
     return problems
 
 

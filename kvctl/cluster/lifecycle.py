@@ -266,9 +266,10 @@ def _instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
             cluster=spec.name, role=role, model=spec.model,
             served_model_name=spec.served_model_name, dtype=spec.dtype,
             port=rs.port or next(free), cwd=cdir, log_path=cdir / "logs" / f"{role}.log",
-            kv_transfer_config=rs.kv_transfer_config, worker_cls=spec.worker_cls,
-            block_size=spec.block_size, max_model_len=spec.max_model_len,
-            cpu_bind=rs.cpu_bind, extra_args=rs.extra_args, env=rs.env)
+            kv_transfer_config=rs.kv_transfer_config,
+            worker_cls=spec.worker_cls if rs.engine == "v0" else None,  # V1 has no --worker-cls hooks
+            block_size=spec.block_size if rs.engine == "v0" else None, max_model_len=spec.max_model_len,
+            engine=rs.engine, cpu_bind=rs.cpu_bind, extra_args=rs.extra_args, env=rs.env)
     return specs
 
 
@@ -361,13 +362,18 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             state = ClusterState(name=spec.name, runtime=spec.runtime, model=str(spec.model),
                                  served_model_name=spec.served_model_name,
                                  store=str(spec.store), created=utc_now())
-            for role, ispec in _instance_specs(spec).items():
+            ispecs = _instance_specs(spec)
+            check_instance = getattr(runtime, "check_instance", None)  # local: each engine's rig
+            if check_instance is not None:
+                for ispec in ispecs.values():
+                    check_instance(ispec)
+            for role, ispec in ispecs.items():
                 inst = runtime.start(ispec)
                 started[role] = inst
                 state.instances[role] = InstanceRecord(
                     role=role, url=inst.url, log_path=str(inst.log_path),
                     kv_transfer_config=ispec.kv_transfer_config, cwd=str(cdir),
-                    runtime_fields=inst.record())
+                    runtime_fields={**inst.record(), "engine": ispec.engine})
                 save_cluster(state)  # at once: `kvctl down` must find it if we die
             _wait_healthy(spec, started, t0, progress)
             return state

@@ -3,7 +3,8 @@
 `build_1p1d_spec` turns the inputs of `kvctl launch 1p1d` or a scenario into a
 ClusterSpec: the model dir, each role's kv-transfer-config (validated through
 connectors.config), ports, environment, the shared store, the runtime and its
-options. Errors name the field at fault (`model`, `prefill_config`, `timeout`,
+options, and each role's engine (v0 or v1: the rig it runs from and the
+vLLM arguments it gets). Errors name the field at fault (`model`, `prefill_config`, `timeout`,
 ...); each front end spells it its own way. Where the cluster's state lives
 is kvctl.cluster.state; parsing typed values is kvctl.cluster.parse.
 """
@@ -22,7 +23,7 @@ from connectors.config.validate import ConfigError, registered_v0_connectors, va
 from kvctl.cluster.state import DEFAULT_NAME, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision.tiny_model import ensure_default_model
-from kvctl.runtime.base import BLOCK_SIZE, MAX_MODEL_LEN
+from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, ENGINES, MAX_MODEL_LEN
 from kvctl.runtime.docker_options import DockerOptions
 
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
@@ -48,6 +49,7 @@ class RoleSpec:
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND
     extra_args: tuple[str, ...] = ()  # extra vLLM arguments, verbatim
     env: Mapping[str, str] = field(default_factory=dict)
+    engine: str = DEFAULT_ENGINE  # "v0" | "v1"
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,8 @@ class ClusterSpec:
     store: Path  # absolute shared store dir
     prefill: RoleSpec
     decode: RoleSpec
-    worker_cls: str | None = DEFAULT_WORKER_CLS  # None: vLLM's default worker
-    block_size: int = BLOCK_SIZE
+    worker_cls: str | None = DEFAULT_WORKER_CLS  # V0 roles only; None: vLLM's default worker
+    block_size: int = BLOCK_SIZE  # V0 roles only; V1 roles keep vLLM's default (extra args may set it)
     max_model_len: int = MAX_MODEL_LEN
     timeout_s: float = DEFAULT_TIMEOUT_S
     docker: DockerOptions | None = None  # image, GPUs, bind address, engines (docker runtime only)
@@ -81,15 +83,23 @@ def default_kv_config(role: str, store: Path) -> dict:
             "kv_connector_extra_config": {"fs_storage_path": str(store)}}
 
 
-def validate_kv_config(cfg: dict, role: str, env: Mapping[str, str]) -> None:
-    """Validate `role`'s config with connectors.config.validate.
+def check_engine(engine: str, field: str) -> str:
+    """`engine` when it is one of ENGINES; else BadInput naming `field`."""
+    if engine not in ENGINES:
+        raise BadInput(f"unknown engine {engine!r}", field=field,
+                       fix=f"use one of: {', '.join(ENGINES)} (default {DEFAULT_ENGINE})")
+    return engine
+
+
+def validate_kv_config(cfg: dict, role: str, env: Mapping[str, str], engine: str = DEFAULT_ENGINE) -> None:
+    """Validate `role`'s config with connectors.config.validate, for `engine`.
 
     Raises BadInput (field `<role>_config`) listing every problem. `env` is
     the server's environment: KVCTL_EXTRA_CONNECTORS there adds names.
     """
     try:
         registered = registered_v0_connectors({**os.environ, **env})
-        validate_kv_transfer_config(cfg, registered=registered)
+        validate_kv_transfer_config(cfg, registered=registered, engine=engine)
     except ValueError as e:  # ConfigError, or a malformed KVCTL_EXTRA_CONNECTORS
         problems = e.problems if isinstance(e, ConfigError) else []
         lines = [f"  {p.path}: {p.message} (fix: {p.fix})" for p in problems]
@@ -189,15 +199,19 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                     prefill_env: Mapping[str, str] | None = None,
                     decode_env: Mapping[str, str] | None = None,
                     worker_cls: str | None = DEFAULT_WORKER_CLS,
-                    docker: DockerOptions | None = None) -> ClusterSpec:
+                    docker: DockerOptions | None = None,
+                    prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     Raises BadInput naming the field for: a bad name, a missing model dir, an
     invalid config, a port in use, equal ports, a non-positive timeout, docker
-    options for another runtime. Fields: `name`, `model`, `prefill_config`,
-    `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`.
+    options for another runtime, an unknown engine. Fields: `name`, `model`,
+    `prefill_config`, `decode_config`, `prefill_port`, `decode_port`,
+    `timeout`, `runtime`, `prefill_engine`, `decode_engine`.
     """
     validate_cluster_name(name)
+    engines = {"prefill": check_engine(prefill_engine, "prefill_engine"),
+               "decode": check_engine(decode_engine, "decode_engine")}
     if docker is not None and runtime != "docker":
         raise BadInput(f"the image, gpus, bind address and docker hosts need the docker runtime, "
                        f"not {runtime}", field="runtime",
@@ -213,7 +227,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         if isinstance(configs[role], DefaultConfig):
             configs[role] = default_kv_config(role, store_dir)
         elif configs[role] is not None:
-            validate_kv_config(configs[role], role, (prefill_env if role == "prefill" else decode_env) or {})
+            validate_kv_config(configs[role], role, (prefill_env if role == "prefill" else decode_env) or {},
+                               engines[role])
     for port, port_field in ((prefill_port, "prefill_port"), (decode_port, "decode_port")):
         if port:
             check_port_free(port, port_field)
@@ -226,7 +241,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         served_model_name=served_model_name or model_dir.name,
         dtype=model_dtype(model_dir), store=store_dir,
         prefill=RoleSpec(configs["prefill"], prefill_port, p_bind, tuple(prefill_args),
-                         dict(prefill_env or {})),
+                         dict(prefill_env or {}), engines["prefill"]),
         decode=RoleSpec(configs["decode"], decode_port, d_bind, tuple(decode_args),
-                        dict(decode_env or {})),
+                        dict(decode_env or {}), engines["decode"]),
         worker_cls=worker_cls, timeout_s=timeout_s, docker=docker)

@@ -31,6 +31,9 @@ from kvctl.views.cluster import (
 from kvctl.views.output import Output
 from kvctl.views.rig import ensure_rig
 
+_ENGINE_HELP = ("vLLM engine of P and D: v0 (vLLM 0.9.2, the default) or v1 (vLLM 0.32: prefix caching "
+                "and chunked prefill on); each runs from its own rig (`kvctl rig install --engine v1`).")
+
 
 class Role(str, Enum):
     prefill = "prefill"
@@ -72,9 +75,17 @@ def launch_1p1d_cmd(
         None, "--prefill-docker-host", help="docker: P's engine (unix://, tcp://, ssh://; default $DOCKER_HOST)."),
     decode_docker_host: str | None = typer.Option(
         None, "--decode-docker-host", help="docker: D's engine; on another host the store must be shared (NFS)."),
+    engine: str = typer.Option("v0", "--engine", help=_ENGINE_HELP),
+    prefill_engine: str | None = typer.Option(
+        None, "--prefill-engine", help="P's engine (default: --engine), e.g. v0 with --decode-engine v1."),
+    decode_engine: str | None = typer.Option(None, "--decode-engine", help="D's engine (default: --engine)."),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
-    """Launch one prefill and one decode vLLM server sharing a KV store."""
+    """Launch one prefill and one decode vLLM server sharing a KV store.
+
+    --engine v1 starts vLLM V1 servers (default v0); --prefill-engine v0
+    --decode-engine v1 is the migration path (V1 decodes serve V0 entries).
+    """
     out = Output(json_mode=json_)
     chosen, why = select_runtime(runtime)
     docker_given = any(v is not None for v in (image, gpus, bind, prefill_docker_host, decode_docker_host))
@@ -89,9 +100,10 @@ def launch_1p1d_cmd(
         prefill_args=tuple(prefill_arg), decode_args=tuple(decode_arg),
         prefill_env=parse_env_items(prefill_env, "prefill_env"),
         decode_env=parse_env_items(decode_env, "decode_env"),
-        worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker)
+        worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker,
+        prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine)
     render_launch_plan(out, spec, why)
-    if chosen == "local":
+    if chosen == "local" and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)
     try:
         with LaunchDisplay(out) as display:

@@ -10,7 +10,10 @@ host, so log tails, markers and `kvctl logs` never depend on the runtime.
 
 The vLLM command line and environment are built here, once, so the local and
 docker runtimes start identical servers (they differ only in the python, the
-model path and the bind address they pass in).
+model path and the bind address they pass in). Each instance names its engine
+(`v0`: vLLM 0.9.x with VLLM_USE_V1=0 and our worker; `v1`: vLLM 0.11+ with
+V1's defaults, prefix caching and chunked prefill on), which picks its
+arguments here and its interpreter in the runtime.
 """
 
 from __future__ import annotations
@@ -25,10 +28,15 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 ROLES = ("prefill", "decode")
+ENGINES = ("v0", "v1")  # the vLLM generations a server can run (kvctl.provision.rig has a rig for each)
+DEFAULT_ENGINE = "v0"
 
-# Start-up flags every server gets (BRIEF section 4: the CPU V0 rig needs block
+# Start-up flags every V0 server gets (BRIEF section 4: the CPU V0 rig needs block
 # size 16, eager mode and no prefix caching / chunked prefill, which break
 # full-prompt keyed transfer). All were checked against vLLM 0.9.2's --help.
+# V1 servers (BRIEF section 8) keep vLLM's defaults: prefix caching and chunked
+# prefill on, block size 128 on CPU (multiples of 32 only); they get eager mode
+# and no --disable-frontend-multiprocessing.
 ENTRYPOINT_MODULE = "vllm.entrypoints.openai.api_server"
 BLOCK_SIZE = 16  # tokens; the only size the CPU backend supports without IPEX
 MAX_MODEL_LEN = 2048  # tokens; the tiny model's max positions
@@ -50,15 +58,16 @@ class InstanceSpec:
     kv_transfer_config: dict | None = None  # None: no --kv-transfer-config
     worker_cls: str | None = None  # None: vLLM's default worker
     host: str = "127.0.0.1"
-    block_size: int = BLOCK_SIZE
+    block_size: int | None = BLOCK_SIZE  # None: vLLM's default (V1)
     max_model_len: int = MAX_MODEL_LEN
+    engine: str = DEFAULT_ENGINE  # "v0" | "v1"
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     extra_args: tuple[str, ...] = ()  # appended verbatim to the vLLM command line
     env: Mapping[str, str] = field(default_factory=dict)  # overrides ours
 
 
 def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:
-    """The api_server arguments (after `python -m <module>`) for `spec`.
+    """The api_server arguments (after `python -m <module>`) for `spec`, per its engine.
 
     `model` and `host` are passed in because they differ per runtime (a
     container sees the model at its mount point and binds 0.0.0.0).
@@ -69,13 +78,14 @@ def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:
         "--host", host,
         "--port", str(spec.port),
         "--dtype", spec.dtype,
-        "--block-size", str(spec.block_size),
-        "--max-model-len", str(spec.max_model_len),
-        "--enforce-eager",
-        "--disable-frontend-multiprocessing",
-        "--no-enable-prefix-caching",
-        "--no-enable-chunked-prefill",
     ]
+    if spec.block_size is not None:
+        args += ["--block-size", str(spec.block_size)]
+    args += ["--max-model-len", str(spec.max_model_len), "--enforce-eager"]
+    if spec.engine == "v0":
+        args += ["--disable-frontend-multiprocessing",
+                 "--no-enable-prefix-caching",
+                 "--no-enable-chunked-prefill"]
     if spec.worker_cls:
         args += ["--worker-cls", spec.worker_cls]
     if spec.kv_transfer_config is not None:
@@ -86,7 +96,8 @@ def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:
 def vllm_server_env(spec: InstanceSpec) -> dict[str, str]:
     """Environment variables the server needs on top of the base environment."""
     env = {
-        "VLLM_USE_V1": "0",  # the KV connectors here are V0 connectors
+        # our V0 connectors need the V0 engine of vLLM 0.9.x (first: the key's old place)
+        **({"VLLM_USE_V1": "0"} if spec.engine == "v0" else {}),
         # Every marker verify and the benches read (KV send DONE, skip/redo model
         # forwarding, sent to connector, Received request) is an INFO line or
         # above. A role's own env (the launch options, a scenario's env) overrides it.

@@ -1,5 +1,9 @@
 """LocalRuntime: vLLM servers as processes of the CPU rig's python on this host.
 
+Each instance runs the rig of its engine (`engine_python`): v0 the vLLM 0.9.2
+rig (or $KVCTL_RIG_PYTHON), v1 the vLLM 0.32 rig (or $KVCTL_RIG_V1_PYTHON), so
+one cluster may mix them (a V0 prefill feeding a V1 decode through one store).
+
 The rig is read-only and holds no kvctl: the servers import our connectors
 (and find their vLLM plugin entry point) in this kvctl's overlay, put first on
 their PYTHONPATH (kvctl.provision.overlay). Clusters launched by two kvctl
@@ -30,8 +34,9 @@ from typing import Any
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
-from kvctl.provision.rig import rig_python
+from kvctl.provision.rig import Rig, default_spec, rig_python
 from kvctl.runtime.base import (
+    DEFAULT_ENGINE,
     ENTRYPOINT_MODULE,
     InstanceSpec,
     InstanceStatus,
@@ -44,8 +49,36 @@ from kvctl.runtime.processes import group_members, is_alive, process_start_ticks
 
 log = logging.getLogger(__name__)
 
+V1_PYTHON_ENV = "KVCTL_RIG_V1_PYTHON"  # use this interpreter instead of the installed V1 rig
 KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
 POLL_S = 0.1
+
+
+def engine_python(engine: str) -> Path:
+    """The interpreter that runs `engine`'s servers.
+
+    v0: `rig_python()` ($KVCTL_RIG_PYTHON, else the installed V0 rig). v1:
+    $KVCTL_RIG_V1_PYTHON, else the installed V1 rig ($KVCTL_RIG_PYTHON names
+    a V0 interpreter and never applies here). Raises BadInput for an unknown
+    engine, an override that is not a file, or a rig that is not installed.
+    """
+    if engine == DEFAULT_ENGINE:
+        return rig_python()
+    spec = default_spec(engine)  # BadInput (field "engine") for an unknown one
+    override = os.environ.get(V1_PYTHON_ENV)
+    if override:
+        path = Path(override).expanduser()
+        if not path.is_file():
+            raise BadInput(f"{V1_PYTHON_ENV} is not an interpreter: {path}", where=V1_PYTHON_ENV,
+                           fix=f"point {V1_PYTHON_ENV} at a V1 rig's bin/python, or unset it")
+        return path.absolute()
+    rig = Rig(spec)
+    unfinished = rig.unfinished()
+    if unfinished:
+        raise BadInput(f"CPU rig (engine {engine}) not installed", where=str(rig.dir),
+                       fix=f"install the rig for engine {engine} (`kvctl rig install`; it keeps the steps already done)",
+                       details="steps not done: " + ", ".join(unfinished))
+    return rig.python
 
 
 class LocalInstance:
@@ -144,14 +177,21 @@ class LocalRuntime:
     name = "local"
 
     def __init__(self, python: Path | None = None):
-        self._python = python
+        self._given = python  # one interpreter for every engine (tests)
+        self._pythons: dict[str, Path] = {}
         self._overlay: Overlay | None = None
+
+    def python_for(self, engine: str) -> Path:
+        """The interpreter for `engine`'s servers (see `engine_python`)."""
+        if self._given is not None:
+            return self._given
+        if engine not in self._pythons:
+            self._pythons[engine] = engine_python(engine)
+        return self._pythons[engine]
 
     @property
     def python(self) -> Path:
-        if self._python is None:
-            self._python = rig_python()
-        return self._python
+        return self.python_for(DEFAULT_ENGINE)
 
     @property
     def overlay(self) -> Overlay:
@@ -161,13 +201,16 @@ class LocalRuntime:
         return self._overlay
 
     def check(self) -> None:
-        """Raises BadInput if the rig python is missing or this kvctl's code cannot be found."""
-        _ = self.python
+        """Raises BadInput if this kvctl's code cannot be found (each engine's rig: `check_instance`)."""
         _ = self.overlay
+
+    def check_instance(self, spec: InstanceSpec) -> None:
+        """Raises BadInput if the rig of `spec`'s engine is missing (before anything starts)."""
+        self.python_for(spec.engine)
 
     def command(self, spec: InstanceSpec) -> list[str]:
         host = spec.host
-        return [str(self.python), "-m", ENTRYPOINT_MODULE,
+        return [str(self.python_for(spec.engine)), "-m", ENTRYPOINT_MODULE,
                 *vllm_server_args(spec, model=str(spec.model), host=host)]
 
     def start(self, spec: InstanceSpec) -> LocalInstance:
