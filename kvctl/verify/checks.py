@@ -137,11 +137,24 @@ def check_store_entry_written(store: Path, key: str, tokens: Sequence[int]) -> C
 
 
 def check_decode_skipped_forward(d_text: str, key: str, hint: str = "") -> CheckResult:
-    """D logged `skip model forwarding` with this key and no `redo` for it.
+    """D logged `skip model forwarding` with this key and no `redo` for it (V0), or
+    a V1 `KV load DONE.` line for it whose counts show the prefill was skipped:
+    loaded >= 1 and computed = prompt_tokens - prefix_cached - loaded.
 
     `hint` is appended to a failure's evidence (e.g. D has no kv-transfer-config).
     """
     name = "decode_skipped_forward"
+    loads = [ld for ld in markers.kv_loads(d_text) if key and ld.key == key]
+    if loads:  # a V1 decode: its last load line for this key decides
+        ld = loads[-1]
+        if ld.skipped_prefill:
+            return CheckResult(name, True, f"loaded={ld.loaded} computed={ld.computed} of "
+                                           f"prompt_tokens={ld.prompt_tokens} "
+                                           f"(prefix_cached={ld.prefix_cached}): {ld.line}")
+        why = (f"D loaded nothing from the store for key {key}" if ld.outcome != "DONE" or not ld.loaded
+               else f"D computed {ld.computed} prompt tokens, not prompt_tokens - prefix_cached - loaded "
+                    f"= {(ld.prompt_tokens or 0) - (ld.prefix_cached or 0) - (ld.loaded or 0)}")
+        return CheckResult(name, False, f"{why}: {ld.line}" + (f"; {hint}" if hint else ""))
     skips = markers.skip_forwards(d_text)
     redos = markers.redo_forwards(d_text)
     if not key:

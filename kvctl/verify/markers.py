@@ -9,7 +9,14 @@ upstream V0 connectors print the same prefixes without the key=value tail):
     D  [rank0]: Successfully received all KVs and hidden states, skip model forwarding. keys=<hex>[,<hex>...] tokens=.. bytes=.. ms=..
     D  [rank0]: Failed to receive all KVs and hidden states, redo model forwarding. reason=<text>
 
-and vLLM's own `Received request chatcmpl-<id>: prompt: ...`. Lines may carry
+and from the V1 FSConnector (connectors.v1.fs_connector) on D, once per request:
+
+    D  [rank0]: KV load DONE. req=<id> key=<hex> prompt_tokens=<T> loaded=<n> computed=<c> prefix_cached=<p> bytes=<n> ms=<f>
+    D  [rank0]: KV load NONE. req=<id> key=<hex> prompt_tokens=<T> loaded=0 computed=<c> prefix_cached=<p> reason=<why>
+    D  [rank0]: KV load FAILED. req=<id> key=<hex> ... reason=<why>
+
+(V1 never logs the skip/redo lines: D always computes at least the last
+prompt token), and vLLM's own `Received request chatcmpl-<id>: prompt: ...`. Lines may carry
 any prefix (log level, time, docker timestamps), so patterns search, not match.
 """
 
@@ -31,6 +38,7 @@ _CHILD_SENT_RE = re.compile(
     r"sent to connector (?P<name>[\w.]+)(?: \(child (?P<child>\d+), (?P<ms>[\d.]+) ms\))?")
 _CHILD_FAILED_RE = re.compile(
     r"child (?P<child>\d+) (?P<name>[\w.]+) failed in send_kv_caches_and_hidden_states: (?P<error>.*)$")
+_KV_LOAD_RE = re.compile(_RANK + r"KV load (?P<outcome>DONE|NONE|FAILED)\.(?P<rest>.*)$")
 _RECEIVED_RE = re.compile(r"Received request (?P<id>[\w-]+): prompt: ")
 
 
@@ -86,6 +94,29 @@ class RedoForwardLine:
 
     def mentions(self, key: str) -> bool:
         return key in self.reason
+
+
+@dataclass(frozen=True)
+class KVLoadLine:
+    """V1 consumer: what one request's prompt got from the store (loaded) and computed."""
+
+    rank: int
+    outcome: str  # DONE | NONE | FAILED
+    request: str | None
+    key: str | None
+    prompt_tokens: int | None
+    loaded: int | None
+    computed: int | None
+    prefix_cached: int | None
+    reason: str
+    line: str
+
+    @property
+    def skipped_prefill(self) -> bool:
+        """Loaded from the store and computed only what neither the store nor the prefix cache held."""
+        if self.outcome != "DONE" or not self.loaded or None in (self.prompt_tokens, self.computed):
+            return False
+        return self.computed == self.prompt_tokens - (self.prefix_cached or 0) - self.loaded
 
 
 def _fields(rest: str) -> dict[str, str]:
@@ -163,6 +194,22 @@ def redo_forwards(text: str) -> list[RedoForwardLine]:
             rest = m["rest"].strip()
             reason = rest.split("reason=", 1)[1].strip() if "reason=" in rest else rest
             found.append(RedoForwardLine(rank=int(m["rank"]), reason=reason, line=line.strip()))
+    return found
+
+
+def kv_loads(text: str) -> list[KVLoadLine]:
+    """Every V1 `KV load DONE|NONE|FAILED.` line, in log order."""
+    found = []
+    for line in text.splitlines():
+        m = _KV_LOAD_RE.search(line)
+        if m:
+            rest, _, reason = m["rest"].partition(" reason=")
+            f = _fields(rest)
+            found.append(KVLoadLine(rank=int(m["rank"]), outcome=m["outcome"], request=f.get("req"),
+                                    key=f.get("key"), prompt_tokens=_int(f.get("prompt_tokens")),
+                                    loaded=_int(f.get("loaded")), computed=_int(f.get("computed")),
+                                    prefix_cached=_int(f.get("prefix_cached")), reason=reason.strip(),
+                                    line=line.strip()))
     return found
 
 
