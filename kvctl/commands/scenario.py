@@ -40,6 +40,9 @@ def run_cmd(
     json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the report) on stdout."),
     junit_xml: Path | None = typer.Option(None, "--junit-xml", help="Also write JUnit XML here."),
     keep: bool = typer.Option(False, "--keep", help="Keep the store and server logs (servers still stop)."),
+    engine: str | None = typer.Option(
+        None, "--engine", help="vLLM engine of P and D: v0 or v1, over the scenario's `engine:` "
+                               "(default there: v0) and its roles' own."),
 ) -> None:
     """Launch the scenario's cluster, verify every prompt, inspect the store, tear down.
 
@@ -53,9 +56,18 @@ def run_cmd(
                        fix="pass a path in an existing directory")
     source = str(scenario_file(target))
     scenario = load_scenario(target)
+    if engine is not None:
+        if engine not in ("v0", "v1"):
+            raise BadInput(f"unknown engine {engine!r}", where="--engine", fix="use v0 or v1")
+        scenario = scenario.model_copy(update={
+            "engine": engine,
+            **{role: scenario.role(role).model_copy(update={"engine": None})
+               for role in ("prefill", "decode") if getattr(scenario, role) is not None}})
     out.info(f"scenario [bold]{scenario.name}[/bold] ({source})")
-    if scenario.runtime == "local":
-        ensure_rig(out)
+    engines = () if scenario.attaches else tuple(scenario.role(r).engine or scenario.engine
+                                                  for r in ("prefill", "decode"))
+    if scenario.runtime == "local" and (scenario.attaches or "v0" in engines):
+        ensure_rig(out)  # the V0 rig; a V1 one missing is reported by the launch, with its fix
     with RunDisplay(out) as display:
         report = run_scenario(scenario, display, keep=keep, source=source)
     if junit_xml is not None:

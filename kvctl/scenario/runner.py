@@ -264,7 +264,9 @@ def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
         timeout_s=scenario.timeout,
         prefill_args=tuple(scenario.role("prefill").args), decode_args=tuple(scenario.role("decode").args),
         prefill_env=scenario.role("prefill").env, decode_env=scenario.role("decode").env,
-        docker=_docker_options(scenario) if runtime == "docker" else None)
+        docker=_docker_options(scenario) if runtime == "docker" else None,
+        prefill_engine=scenario.role("prefill").engine or scenario.engine,
+        decode_engine=scenario.role("decode").engine or scenario.engine)
     children = _send_children(scenario, configs["prefill"])
     return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
                         send_children=children, kept_dir=kept_dir)

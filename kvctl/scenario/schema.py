@@ -57,6 +57,9 @@ FIELD_PATHS = {
     "model": "$.model",
     "served_model_name": "$.served_model_name",
     "runtime": "$.runtime",
+    "engine": "$.engine",
+    "prefill_engine": "$.prefill.engine",
+    "decode_engine": "$.decode.engine",
     "timeout": "$.timeout",
     "store": "$.store",
     "image": "$.image",
@@ -116,6 +119,7 @@ class RoleSpec(_Strict):
     args: list[str] = Field(default_factory=list)  # extra vLLM server arguments
     env: dict[str, str] = Field(default_factory=dict)
     docker_host: str | None = None  # DOCKER_HOST-style URL; None = the local engine
+    engine: Literal["v0", "v1"] | None = None  # vLLM engine of this instance; None = the scenario's
 
     @field_validator("env", mode="before")
     @classmethod
@@ -149,6 +153,7 @@ class Scenario(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
     description: str = ""
     runtime: Literal["local", "docker", "auto"] = "local"
+    engine: Literal["v0", "v1"] = "v0"  # vLLM engine of P and D (a role's `engine` overrides it)
     model: str = Field(default="tiny", min_length=1)  # "tiny", a path, or a hub id passed to vLLM
     served_model_name: str | None = None
     image: str | None = None  # docker only; None = the runtime's default image
@@ -278,8 +283,10 @@ def check_scenario(obj: object) -> list[ConfigProblem]:
     for role in ("prefill", "decode"):
         spec = raw.get(role)
         cfg = spec.get("kv_transfer_config") if isinstance(spec, dict) else None
+        engine = spec.get("engine") if isinstance(spec, dict) else None
+        engine = engine if engine in ("v0", "v1") else raw.get("engine")
         if isinstance(cfg, dict):
-            for p in check_kv_transfer_config(cfg):
+            for p in check_kv_transfer_config(cfg, engine=engine if engine in ("v0", "v1") else "v0"):
                 p.path = "$." + role + ".kv_transfer_config" + p.path[1:]
                 problems.append(p)
     missing = [] if raw.get("cluster") is not None else [r for r in ("prefill", "decode") if raw.get(r) is None]
