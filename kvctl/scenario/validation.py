@@ -1,6 +1,9 @@
 """What `kvctl validate` checks: a kv-transfer-config (inline JSON, @file, .json) or a scenario.
 
-Reading the target is the only thing added here; the checks are
+Reading the target and choosing the engine to check a config for are the
+only things added here (a config that names a V1-only connector or a
+`kv_connector_module_path` is checked as V1, else as V0; `engine` in the
+JSON result says which engine it needs: v0, v1 or either); the checks are
 connectors.config.validate's and kvctl.scenario.schema's. Nothing is started.
 """
 
@@ -10,7 +13,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from connectors.config.validate import ConfigProblem, check_kv_transfer_config
+from connectors.config.validate import ConfigProblem, check_kv_transfer_config, required_engine
 from kvctl.errors import BadInput
 from kvctl.scenario.schema import SCENARIO_SUFFIXES, check_scenario, read_scenario_yaml, scenario_file
 
@@ -20,6 +23,7 @@ class ValidationResult:
     target: str
     kind: str  # "kv_transfer_config" or "scenario"
     problems: list[ConfigProblem]
+    engine: str | None = None  # kv_transfer_config only: "v0", "v1" or "either" (the engine it needs)
 
     @property
     def errors(self) -> list[ConfigProblem]:
@@ -28,7 +32,8 @@ class ValidationResult:
     def to_json(self) -> dict:
         return {"target": self.target, "kind": self.kind, "valid": not self.errors,
                 "errors": len(self.errors), "warnings": len(self.problems) - len(self.errors),
-                "problems": [asdict(p) for p in self.problems]}
+                "problems": [asdict(p) for p in self.problems],
+                **({"engine": self.engine} if self.engine is not None else {})}
 
 
 def validate_target(target: str) -> ValidationResult:
@@ -39,18 +44,25 @@ def validate_target(target: str) -> ValidationResult:
     """
     text = target.strip()
     if text.startswith("{") or text.startswith("["):
-        return ValidationResult("inline JSON", "kv_transfer_config", check_kv_transfer_config(_json(text, "argument")))
+        return _config_result("inline JSON", _json(text, "argument"))
     if text.startswith("@"):
         path = Path(text[1:]).expanduser()
-        return ValidationResult(str(path), "kv_transfer_config", check_kv_transfer_config(_json_file(path)))
+        return _config_result(str(path), _json_file(path))
     path = Path(text).expanduser()
     if path.suffix == ".json":
-        return ValidationResult(str(path), "kv_transfer_config", check_kv_transfer_config(_json_file(path)))
+        return _config_result(str(path), _json_file(path))
     if path.is_file() and path.suffix not in SCENARIO_SUFFIXES:
         raise BadInput(f"{target}: not a .json, .yaml or .yml file", where=str(path),
                        fix="give inline JSON, @config.json, a .json file, or a scenario .yaml")
     scenario = scenario_file(text)  # BadInput names the shipped scenarios
     return ValidationResult(str(scenario), "scenario", check_scenario(read_scenario_yaml(scenario)))
+
+
+def _config_result(target: str, cfg: object) -> ValidationResult:
+    """Check `cfg` for the engine it needs (V0 when either runs it)."""
+    engine = required_engine(cfg)
+    return ValidationResult(target, "kv_transfer_config", check_kv_transfer_config(cfg, engine=engine or "v0"),
+                            engine=engine or "either")
 
 
 def _json_file(path: Path) -> object:
