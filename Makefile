@@ -20,7 +20,7 @@ TESTSTAMP := $(TESTENV)/.kvctl-installed
 JOBS ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: venv rig test-env docker-ready demo test test-fast bench clean FORCE
+.PHONY: venv rig rig-v1 test-env docker-ready demo test test-fast bench clean FORCE
 
 # kvctl itself: light (no torch, no vLLM), for driving clusters.
 $(STAMP): pyproject.toml
@@ -34,6 +34,11 @@ venv: $(STAMP)
 # inputs: a second run returns at once.
 rig: venv
 	$(KVCTL) rig install
+
+# The vLLM 0.32 (V1) CPU rig, keyed the same way: the V1 tests (tests/test_v1_*.py)
+# run their servers from it (about 2.5 minutes and 3.4 GB the first time).
+rig-v1: venv
+	$(KVCTL) rig install --engine v1
 
 # Layers $(TESTENV) on the rig, or stops make with the reason when there is none.
 # It rewrites kvctl-rig.json only when the rig under it changed: then the
@@ -56,8 +61,8 @@ docker-ready: venv
 demo: rig
 	$(KVCTL) scenario run smoke-1p1d
 
-test: test-env docker-ready
-	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_DOCKER=1 \
+test: test-env docker-ready rig-v1
+	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 \
 	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(PYTEST_ARGS) tests
 
 # Everything that needs neither vLLM servers nor docker.
