@@ -2,8 +2,9 @@
 
 Reading the target and choosing the engine to check a config for are the
 only things added here (a config that names a V1-only connector or a
-`kv_connector_module_path` is checked as V1, else as V0; `engine` in the
-JSON result says which engine it needs: v0, v1 or either); the checks are
+`kv_connector_module_path` is checked as V1, else as V0; `"engine": "v1"`
+in the JSON result says it needs V1, and the key is absent when the default
+engine v0 runs it, so V0 results keep their shape); the checks are
 connectors.config.validate's and kvctl.scenario.schema's. Nothing is started.
 """
 
@@ -23,7 +24,7 @@ class ValidationResult:
     target: str
     kind: str  # "kv_transfer_config" or "scenario"
     problems: list[ConfigProblem]
-    engine: str | None = None  # kv_transfer_config only: "v0", "v1" or "either" (the engine it needs)
+    engine: str | None = None  # "v1": the kv_transfer_config needs V1; None: it runs on v0 (the default)
 
     @property
     def errors(self) -> list[ConfigProblem]:
@@ -62,7 +63,7 @@ def _config_result(target: str, cfg: object) -> ValidationResult:
     """Check `cfg` for the engine it needs (V0 when either runs it)."""
     engine = required_engine(cfg)
     return ValidationResult(target, "kv_transfer_config", check_kv_transfer_config(cfg, engine=engine or "v0"),
-                            engine=engine or "either")
+                            engine="v1" if engine == "v1" else None)
 
 
 def _json_file(path: Path) -> object:
