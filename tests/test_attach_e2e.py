@@ -99,3 +99,81 @@ def test_attach_from_urls_and_log_files_verifies_then_detaches(src):
     assert "other" not in list_clusters()
     for inst in state["instances"].values():  # `src` was never touched
         assert httpx.get(f"{inst['url']}/health", timeout=5).status_code == 200
+
+
+@e2e
+def test_attach_with_log_commands_verifies(src, tmp_path):
+    """The logs as commands' output (as `kubectl logs -f` would give them), captured while verify runs."""
+    kvctl, state = src
+    p, d = state["instances"]["prefill"]["log_path"], state["instances"]["decode"]["log_path"]
+    attached = _attach(kvctl, state, "tailed", logs=(f"cmd:tail -n0 -F {p}", f"cmd:tail -n0 -F {d}"))
+    assert attached["instances"]["decode"]["log_source"] == f"cmd:tail -n0 -F {d}"
+    r = kvctl("verify", "--name", "tailed", *PROMPTS, "--max-tokens", "8", "--json", timeout=VERIFY_TIMEOUT_S)
+    assert r.rc == 0, r
+    report = json.loads(r.stdout)
+    assert report["passed"] is True and report["not_observable"] == {}
+    captured = Path(attached["instances"]["prefill"]["log_path"])
+    assert "KV send DONE" in captured.read_text() and "Uvicorn running" not in captured.read_text()
+    assert not [line for line in live_processes_under(Path(p).parent) if "tail -n0 -F" in line]
+    assert kvctl("detach", "tailed").rc == 0
+
+
+@e2e
+def test_attach_without_a_visible_store_reports_its_check_not_observable(src):
+    kvctl, state = src
+    attached = _attach(kvctl, state, "nostore", store=False)
+    assert "store" not in attached and any("store" in n for n in attached["notes"])
+    r = kvctl("verify", "--name", "nostore", *PROMPTS, "--max-tokens", "8", "--json", timeout=VERIFY_TIMEOUT_S)
+    assert r.rc == 1, r  # --require all (the default): what kvctl could not see is no pass
+    report = json.loads(r.stdout)
+    assert list(report["not_observable"]) == ["store_entry_written"]
+    for req in report["requests"]:
+        checks = {c["name"]: c for c in req["checks"]}
+        assert checks["store_entry_written"]["observable"] is False and not checks["store_entry_written"]["passed"]
+        assert all(c["passed"] for n, c in checks.items() if n != "store_entry_written"), checks
+    r = kvctl("verify", "--name", "nostore", *PROMPTS, "--max-tokens", "8", "--require", "observable",
+              timeout=VERIFY_TIMEOUT_S)
+    assert r.rc == 0 and "store_entry_written not observable" in r.stdout, r
+    assert kvctl("detach", "nostore").rc == 0
+
+
+@e2e
+def test_verify_through_the_router_endpoint(src):
+    """Requests through kvctl's router in front of the same P and D, checked like direct ones."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    kvctl, state = src
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    router = subprocess.Popen([sys.executable, "-m", "kvctl.router", "--port", str(port),
+                               "--prefill", f"prefill={state['instances']['prefill']['url']}",
+                               "--decode", f"decode={state['instances']['decode']['url']}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{endpoint}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and router.poll() is None, "the router did not come up"
+            time.sleep(0.2)
+        p, d = state["instances"]["prefill"], state["instances"]["decode"]
+        r = kvctl("attach", "routed", "--prefill", p["url"], "--decode", d["url"], "--prefill-log", p["log_path"],
+                  "--decode-log", d["log_path"], "--store", state["store"], "--endpoint", endpoint)
+        assert r.rc == 0, r
+        r = kvctl("verify", "--name", "routed", "--via-endpoint", *PROMPTS, "--max-tokens", "8", "--json",
+                  timeout=VERIFY_TIMEOUT_S)
+        assert r.rc == 0, r
+        report = json.loads(r.stdout)
+        assert report["passed"] is True and report["not_observable"] == {}
+        assert kvctl("detach", "routed").rc == 0
+    finally:
+        router.terminate()
+        router.wait(10)

@@ -35,7 +35,8 @@ def e2e(test):
 
 LAUNCH_TIMEOUT_S = 600  # subprocess limit; servers take 15-60 s here
 PLAIN = ("--worker-cls", "auto", "--prefill-config", "none", "--decode-config", "none")
-TOP_LEVEL = {"name", "runtime", "model", "served_model_name", "store", "created", "instances"}
+TOP_LEVEL = {"name", "runtime", "model", "served_model_name", "store", "created", "endpoint", "router",
+             "instances"}
 
 
 def assert_nothing_left(home: Path, pids: list[int] = ()) -> None:

@@ -57,6 +57,7 @@ from kvctl.runtime.base import (
     last_log_line,
     read_log_tail,
 )
+from kvctl.cluster.router_process import router_instance, start_router
 from kvctl.runtime.processes import process_start_ticks, server_groups_in
 from kvctl.subprocesses import TAIL_LINES
 
@@ -344,9 +345,12 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
     cdir = cluster_dir(spec.name)
     started: dict[str, Instance] = {}
     made_store = not spec.store.exists()
+    state: ClusterState | None = None
 
     def cleanup() -> None:
         _stop_all(started)
+        if state is not None and state.router is not None:
+            router_instance(state.router).stop(STOP_GRACE_S)
         leftovers = getattr(runtime, "remove_leftovers", None)  # docker: a container made
         if leftovers is not None:                               # but not yet recorded
             leftovers(spec.name)
@@ -376,6 +380,11 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
                     runtime_fields={**inst.record(), "engine": ispec.engine})
                 save_cluster(state)  # at once: `kvctl down` must find it if we die
             _wait_healthy(spec, started, t0, progress)
+            if spec.router:
+                state.router = start_router({n: (r.role, r.url) for n, r in state.instances.items()},
+                                            cdir, _free_ports(1)[0])
+                state.endpoint = state.router["url"]
+                save_cluster(state)
             return state
         except BaseException:
             _run_to_completion(cleanup)
@@ -396,14 +405,18 @@ class InstanceHealth:
 class ClusterStatus:
     state: ClusterState
     instances: dict[str, InstanceHealth]
+    endpoint_healthy: bool | None = None  # the router's /health; None without an endpoint
 
     @property
     def healthy(self) -> bool:
-        return bool(self.instances) and all(i.healthy for i in self.instances.values())
+        return (bool(self.instances) and all(i.healthy for i in self.instances.values())
+                and self.endpoint_healthy is not False)
 
     def to_json(self) -> dict[str, Any]:
         data = self.state.to_json()
         data["healthy"] = self.healthy
+        if self.endpoint_healthy is not None:
+            data["endpoint_healthy"] = self.endpoint_healthy
         for role, h in self.instances.items():
             data["instances"][role].update(running=h.running, healthy=h.healthy, detail=h.detail)
         return data
@@ -422,7 +435,8 @@ def cluster_status(name: str) -> ClusterStatus:
             st = inst.status()
             ok = st.running and (not state.managed or _is_healthy(client, inst.url))
             health[role] = InstanceHealth(role, st.running, ok, st.detail)
-    return ClusterStatus(state, health)
+        endpoint_ok = _is_healthy(client, state.endpoint) if state.endpoint else None
+    return ClusterStatus(state, health, endpoint_ok)
 
 
 @dataclass
@@ -500,7 +514,10 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             if not state.managed:
                 raise _not_ours(state, "down stops only servers kvctl started")
             store = Path(state.store) if state.store is not None else None
-            report.stopped = _stop_all(_attach_all(state), grace_s)
+            instances = _attach_all(state)
+            if state.router is not None:
+                instances["router"] = router_instance(state.router)
+            report.stopped = _stop_all(instances, grace_s)
         remove_state(name)
     keep = keep_store and store is not None and store.is_dir() and store.is_relative_to(cdir)
     if keep:

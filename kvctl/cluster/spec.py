@@ -69,6 +69,7 @@ class ClusterSpec:
     max_model_len: int = MAX_MODEL_LEN
     timeout_s: float = DEFAULT_TIMEOUT_S
     docker: DockerOptions | None = None  # image, GPUs, bind address, engines (docker runtime only)
+    router: bool = True  # start kvctl's router: one endpoint in front of P and D
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -199,7 +200,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                     prefill_env: Mapping[str, str] | None = None,
                     decode_env: Mapping[str, str] | None = None,
                     worker_cls: str | None = DEFAULT_WORKER_CLS,
-                    docker: DockerOptions | None = None,
+                    docker: DockerOptions | None = None, router: bool = True,
                     prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
@@ -244,4 +245,4 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                          dict(prefill_env or {}), engines["prefill"]),
         decode=RoleSpec(configs["decode"], decode_port, d_bind, tuple(decode_args),
                         dict(decode_env or {}), engines["decode"]),
-        worker_cls=worker_cls, timeout_s=timeout_s, docker=docker)
+        worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router)

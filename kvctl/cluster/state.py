@@ -3,7 +3,12 @@
     {"name": str, "runtime": "local"|"docker", "model": abs path,
      "served_model_name": str, "store": abs host path of the shared store dir,
      "created": ISO-8601 UTC,
+     "endpoint": the router's URL (one OpenAI endpoint in front of P and D),
+     "router": {"url", "pid", "start_ticks", "command", "log_path"},
      "instances": {"prefill": {...}, "decode": {...}}}
+
+`endpoint` and `router` are absent when the cluster was launched without its
+router (`router: false` in the spec).
 
 Each instance: `role`, `url`, `pid` (local) or `container_id` (docker) plus
 runtime extras (`start_ticks`, `command`), `log_path`, `kv_transfer_config`
@@ -23,9 +28,7 @@ A cluster kvctl did not start (`kvctl attach`, kvctl.attach) adds to that:
 
 Instances are keyed by name: `prefill` and `decode` for 1P1D (as launch
 writes them), `prefill-0`, `decode-0`, ... for pools; `role` says which
-pool. `managed` and `endpoint` are written only when they differ from a
-launched cluster's (managed, no endpoint), so a launched cluster's file is
-unchanged. `down` refuses a cluster that is not managed; `kvctl detach`
+pool. `managed` is written only when false. `down` refuses a cluster that is not managed; `kvctl detach`
 forgets it.
 """
 
@@ -128,6 +131,7 @@ class ClusterState:
     instances: dict[str, InstanceRecord] = field(default_factory=dict)  # keyed by instance name
     managed: bool = True  # False: kvctl did not start it (attached); `down` refuses it
     endpoint: str | None = None  # the router URL in front of the instances, if any
+    router: dict[str, Any] | None = None  # the router process kvctl started (url, pid, log_path, ...)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "runtime": self.runtime, "model": self.model,
@@ -139,6 +143,8 @@ class ClusterState:
             data["managed"] = False
         if self.endpoint is not None:
             data["endpoint"] = self.endpoint
+        if self.router is not None:
+            data["router"] = self.router
         data["instances"] = {r: i.to_json() for r, i in self.instances.items()}
         return data
 
@@ -152,7 +158,7 @@ class ClusterState:
                    store=d["store"] if managed else d.get("store"),
                    created=d["created"],
                    instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()},
-                   managed=managed, endpoint=d.get("endpoint"))
+                   managed=managed, endpoint=d.get("endpoint"), router=d.get("router"))
 
     def by_role(self, role: str) -> dict[str, InstanceRecord]:
         """This cluster's instances of `role` (prefill or decode), by name, in name order."""

@@ -79,6 +79,9 @@ def launch_1p1d_cmd(
     prefill_engine: str | None = typer.Option(
         None, "--prefill-engine", help="P's engine (default: --engine), e.g. v0 with --decode-engine v1."),
     decode_engine: str | None = typer.Option(None, "--decode-engine", help="D's engine (default: --engine)."),
+    router: bool = typer.Option(True, "--router/--no-router",
+                                help="Start kvctl's router: one OpenAI endpoint (status: \"endpoint\") in "
+                                     "front of P and D, on 127.0.0.1."),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
     """Launch one prefill and one decode vLLM server sharing a KV store.
@@ -100,7 +103,7 @@ def launch_1p1d_cmd(
         prefill_args=tuple(prefill_arg), decode_args=tuple(decode_arg),
         prefill_env=parse_env_items(prefill_env, "prefill_env"),
         decode_env=parse_env_items(decode_env, "decode_env"),
-        worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker,
+        worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker, router=router,
         prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine)
     render_launch_plan(out, spec, why)
     if chosen == "local" and "v0" in (spec.prefill.engine, spec.decode.engine):

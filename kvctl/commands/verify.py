@@ -13,6 +13,7 @@ from kvctl.verify.cluster_info import load_cluster_info
 from kvctl.verify.junit import write_verify_junit
 from kvctl.verify.load_mode import LoadReport, generate_prompts, run_load
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts, load_prompts_file
+from kvctl.verify.report import REQUIRE_ALL, REQUIRE_CHOICES
 from kvctl.verify.verifier import DEFAULT_MAX_TOKENS, verify_cluster
 from kvctl.views.output import Output
 from kvctl.views.verify import render_load, render_verify_report, request_bar
@@ -32,6 +33,17 @@ def verify(
                                                                     "when > 1)."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Generate this many distinct prompts "
                                                                            "(load mode)."),
+    require: str = typer.Option(REQUIRE_ALL, "--require",
+                                help="all: a check kvctl cannot observe (an attached cluster without a log source "
+                                     "or a visible store) fails; observable: it is reported, and does not fail."),
+    prefill: Optional[str] = typer.Option(None, "--prefill", help="The prefill instance requests go to (a pool's "
+                                                                  "instance name; default: the first)."),
+    decode: Optional[str] = typer.Option(None, "--decode", help="The decode instance (default: the first)."),
+    via_endpoint: Optional[bool] = typer.Option(
+        None, "--via-endpoint/--direct",
+        help="--via-endpoint: each request once through the cluster's endpoint (its router), evidence from every "
+             "instance's log; --direct: P then D from here, as the seed's curl did. Default: the endpoint when the "
+             "cluster has one."),
     json_out: bool = JSON_OPT,
     junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Also write JUnit XML here."),
 ) -> None:
@@ -42,11 +54,21 @@ def verify(
     Load mode (--requests N and/or --concurrency C > 1): C clients at once, a
     failed request is counted instead of stopping the run, and the report adds
     throughput, p50/p99 latency of P and D, transfer bytes and every mismatch.
+    On an attached cluster, a check whose evidence is out of reach (no log
+    source, store not visible) is reported as not observable, with the reason;
+    --require decides whether that fails the run (default: it does).
+    A cluster with an endpoint (kvctl's router, started by launch) is verified
+    through it by default: each request once through the router (P, then D, as
+    clients do), checked the same way against a baseline from P; --direct sends
+    to P and D from here instead.
     """
     out = Output(json_mode=json_out)
     if prompt and prompts_file:
         raise BadInput("--prompt and --prompts both given", where="--prompt / --prompts",
                        fix="pass prompts one way: repeated --prompt TEXT, or --prompts FILE")
+    if require not in REQUIRE_CHOICES:
+        raise BadInput(f"unknown --require {require!r}", where="--require",
+                       fix=f"use one of: {', '.join(REQUIRE_CHOICES)}")
     if requests is not None and (prompt or prompts_file):
         raise BadInput("--requests generates its prompts; --prompt/--prompts give them",
                        where="--requests / --prompt / --prompts", fix="drop one of them")
@@ -59,14 +81,18 @@ def verify(
         prompts = check_prompts(prompt)
     else:
         prompts = list(DEFAULT_PROMPTS)
-    info = load_cluster_info(name)
+    info = load_cluster_info(name, prefill=prefill, decode=decode)
+    if via_endpoint is None:
+        via_endpoint = info.endpoint is not None
 
     with request_bar(out, name, len(prompts)) as progress:
         if load_mode:
-            result = run_load(info, prompts, max_tokens, concurrency, progress)
+            result = run_load(info, prompts, max_tokens, concurrency, progress, require=require,
+                              via_endpoint=via_endpoint)
             report = result.verify
         else:
-            result = report = verify_cluster(info, prompts, max_tokens, progress)
+            result = report = verify_cluster(info, prompts, max_tokens, progress, require=require,
+                                             via_endpoint=via_endpoint)
 
     if junit_xml is not None:
         write_verify_junit(report, junit_xml)

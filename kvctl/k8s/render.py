@@ -160,8 +160,8 @@ def pod_url(spec: K8sSpec, role: str, index: int) -> str:
     return f"http://{pod_name(spec, role, index)}.{pool_name(spec, role)}:{PORT}"
 
 
-def _http_probe(period_s: int, failures: int, timeout_s: int = 5) -> dict[str, Any]:
-    return {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": period_s,
+def _http_probe(period_s: int, failures: int, timeout_s: int = 5, path: str = "/health") -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s,
             "timeoutSeconds": timeout_s, "failureThreshold": failures}
 
 
@@ -254,7 +254,9 @@ def _router(spec: K8sSpec) -> list[dict[str, Any]]:
         "name": "router", "image": spec.router_image or spec.image, "imagePullPolicy": "IfNotPresent",
         "command": ["python3", "-m", "kvctl.router"], "args": args,
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
-        "readinessProbe": _http_probe(5, 3), "livenessProbe": _http_probe(30, 5),
+        # Readiness is /health (a P and a D answer); liveness is /live: a router whose
+        # backends are down is not ready, but restarting it would not help.
+        "readinessProbe": _http_probe(5, 3), "livenessProbe": _http_probe(30, 5, path="/live"),
         "resources": ROUTER_RESOURCES,
     }
     deployment = {

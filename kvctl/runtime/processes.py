@@ -60,11 +60,11 @@ def group_members(pgid: int) -> list[int]:
 
 
 def server_groups_in(cwd: Path) -> list[int]:
-    """Process groups of live vLLM servers whose working directory is `cwd`.
+    """Process groups of live vLLM servers (and kvctl routers) whose working directory is `cwd`.
 
     A local cluster's servers run in its cluster dir, each leading its own
     group; when the cluster's state is lost this is how `down` still finds
-    them. Only processes whose command line names vLLM count: a shell that
+    them. Only processes whose command line names vLLM (or the router) count: a shell that
     happens to sit in that dir is not ours.
     """
     found: set[int] = set()
@@ -80,6 +80,6 @@ def server_groups_in(cwd: Path) -> list[int]:
         except OSError:
             continue
         stat = _proc_stat(pid)
-        if b"vllm" in cmdline and stat and _is_live(stat[0]):
+        if (b"vllm" in cmdline or b"kvctl.router" in cmdline) and stat and _is_live(stat[0]):
             found.add(stat[1])
     return sorted(found)

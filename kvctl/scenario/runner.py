@@ -54,7 +54,7 @@ from kvctl.scenario.schema import Scenario, scenario_path
 from kvctl.store.inspect import StoreReport, inspect_store
 from kvctl.verify.junit import verify_junit, write_junit
 from kvctl.verify.prompts import check_prompts
-from kvctl.verify.report import VerifyReport
+from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
 from kvctl.verify.verifier import RunOptions, expected_send_children, run_verify
 
 log = logging.getLogger(__name__)
@@ -129,8 +129,9 @@ class ScenarioReport:
         """(request index, check name, evidence) of every expected check that failed."""
         if self.verify is None:
             return []
+        allowed = self.verify.require == REQUIRE_OBSERVABLE  # then a check not observable is no failure
         return [(i, c.name, c.evidence) for i, r in enumerate(self.verify.requests) for c in r.checks
-                if c.name in self.expected_checks and not c.passed]
+                if c.name in self.expected_checks and not c.passed and (c.observable or not allowed)]
 
     @property
     def passed(self) -> bool:
@@ -325,7 +326,8 @@ class _Phases:
 
 def _verify(state: ClusterState, plan: ScenarioPlan, progress: ScenarioProgress) -> VerifyReport:
     """The verify driver, one request at a time, with the scenario's expected send children."""
-    options = RunOptions(max_tokens=plan.scenario.max_tokens, send_children=plan.send_children)
+    options = RunOptions(max_tokens=plan.scenario.max_tokens, send_children=plan.send_children,
+                         require=plan.scenario.expectations.require)
     return run_verify(state, plan.prompts, options, progress.request).report
 
 

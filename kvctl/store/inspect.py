@@ -170,7 +170,12 @@ def cluster_store_dir(name: str) -> Path:
                        fix=(f"use one of: {', '.join(known)}" if known else "launch one: kvctl launch 1p1d")
                        + ", or give the store directory itself")
     try:
-        store = json.loads(state.read_text())["store"]
+        data = json.loads(state.read_text())
+        if data.get("managed") is False and data.get("store") is None:
+            raise BadInput(f"cluster {name!r} was attached without a store path: its store is not visible here",
+                           where=str(state), fix="give the store directory itself (as mounted here), or attach "
+                                                 "the cluster again with its store")
+        store = data["store"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BadInput(f"cluster {name!r} has no readable store path: {e}", where=str(state),
                        fix="give the store directory itself") from None

@@ -7,6 +7,11 @@
 
 Each check returns a CheckResult with its evidence (a log line, a file, a
 token diff); none raises for a failed check. Nothing here talks to a server.
+
+A check whose evidence cannot be reached from here (an attached cluster's
+instance without a log source, a store not visible on this host) is
+`not_observable(name, reason)`: never passed, and reported with the reason;
+whether it fails the run is the report's `require` (kvctl.verify.report).
 """
 
 from __future__ import annotations
@@ -31,9 +36,23 @@ class CheckResult:
     name: str
     passed: bool
     evidence: str
+    observable: bool = True  # False: its evidence could not be reached (then never passed)
+
+    @property
+    def status(self) -> str:
+        """passed | failed | not_observable"""
+        return "passed" if self.passed else ("failed" if self.observable else "not_observable")
 
     def to_json(self) -> dict:
-        return {"name": self.name, "passed": self.passed, "evidence": self.evidence}
+        data = {"name": self.name, "passed": self.passed, "evidence": self.evidence}
+        if not self.observable:  # only then: the contract of every observed check is unchanged
+            data["observable"] = False
+        return data
+
+
+def not_observable(name: str, reason: str) -> CheckResult:
+    """A check kvctl could not see the evidence of: not passed, not failed; `reason` says why."""
+    return CheckResult(name, False, f"not observable: {reason}", observable=False)
 
 
 @dataclass(frozen=True)
@@ -46,14 +65,15 @@ class KeyMatch:
     how: str
 
 
-def match_request_key(sends: Sequence[markers.KVSendLine], tokens: Sequence[int], store: Path,
+def match_request_key(sends: Sequence[markers.KVSendLine], tokens: Sequence[int], store: Path | None,
                       known: KVIdentity | None = None) -> KeyMatch | None:
     """Find this prompt's send line among P's new KV send lines.
 
     A line matches when its key equals compute_key(identity, tokens), with the
     identity known from an earlier request or read from the entry's header:
     safe with other requests' lines interleaved. Falls back to the only line
-    with this prompt's token count (then `identity` is None).
+    with this prompt's token count (then `identity` is None); that is all
+    there is when the store is not visible (`store` None).
     """
     candidates = [s for s in sends if s.key and (s.tokens is None or s.tokens == len(tokens))]
     if known is not None:
@@ -63,6 +83,9 @@ def match_request_key(sends: Sequence[markers.KVSendLine], tokens: Sequence[int]
                 return KeyMatch(expected, s, known, "key = compute_key(identity, /tokenize ids)")
     unreadable = []  # entries we cannot open: maybe ours, maybe not
     for s in candidates:
+        if store is None:
+            unreadable.append(s)
+            continue
         try:
             identity = parse_header(entry_path(store, s.key)).identity
         except (EntryCorrupt, OSError):
@@ -71,8 +94,9 @@ def match_request_key(sends: Sequence[markers.KVSendLine], tokens: Sequence[int]
         if compute_key(identity, tokens) == s.key:
             return KeyMatch(s.key, s, identity, "key = compute_key(entry identity, /tokenize ids)")
     if len({s.key for s in unreadable}) == 1:
+        whose = "(the store is not visible here)" if store is None else "whose entry is unreadable"
         return KeyMatch(unreadable[-1].key, unreadable[-1], None,
-                        f"the only KV send line with tokens={len(tokens)} whose entry is unreadable")
+                        f"the only KV send line with tokens={len(tokens)} {whose}")
     return None
 
 
@@ -210,7 +234,7 @@ def _quote(text: str) -> str:
     return repr(text if len(text) <= EVIDENCE_TEXT_CHARS else text[:EVIDENCE_TEXT_CHARS] + "...")
 
 
-def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLine | None, store: Path,
+def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLine | None, store: Path | None,
                    key: str) -> int | None:
     """Bytes of this prompt's KV that travelled.
 
@@ -224,6 +248,8 @@ def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLin
         return skip.bytes
     if send and send.bytes:
         return send.bytes
+    if store is None:
+        return None
     try:
         return parse_header(entry_path(store, key)).data_len
     except (EntryCorrupt, OSError):

@@ -2,6 +2,8 @@
 
 Test case class names (`kvctl.verify.<cluster>.request<i>`) are what CI
 dashboards group by: they name the cluster and request, not a Python module.
+A check that was not observable is a failure (type NotObservable) under
+`require: all`, and skipped (with the reason) under `require: observable`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from kvctl.errors import BadInput
-from kvctl.verify.report import VerifyReport
+from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
 
 FAILURE_MESSAGE_CHARS = 300  # the attribute is a one-line summary; the body has everything
 # Characters XML 1.0 forbids even escaped; random-model outputs can contain them.
@@ -21,13 +23,15 @@ _NOT_XML = re.compile("[^\u0009\u000a\u000d\u0020-\ud7ff\ue000-\ufffd\U00010000-
 def verify_junit(report: VerifyReport, suite_name: str | None = None) -> ET.ElementTree:
     """The report as a <testsuites> tree with one <testsuite> per cluster."""
     cases = [(i, r, c) for i, r in enumerate(report.requests) for c in r.checks]
-    failures = sum(1 for _, _, c in cases if not c.passed)
+    skipping = report.require == REQUIRE_OBSERVABLE
+    skipped = sum(1 for _, _, c in cases if not c.observable and skipping)
+    failures = sum(1 for _, _, c in cases if not c.passed) - skipped
     seconds = sum((r.prefill_latency_s or 0) + (r.decode_latency_s or 0) + (r.baseline_latency_s or 0)
                   for r in report.requests)
     root = ET.Element("testsuites", tests=str(len(cases)), failures=str(failures), errors="0",
                       time=f"{seconds:.3f}")
     suite = ET.SubElement(root, "testsuite", name=suite_name or f"kvctl verify {report.cluster}",
-                          tests=str(len(cases)), failures=str(failures), errors="0", skipped="0",
+                          tests=str(len(cases)), failures=str(failures), errors="0", skipped=str(skipped),
                           time=f"{seconds:.3f}")
     props = ET.SubElement(suite, "properties")
     ET.SubElement(props, "property", name="baseline", value=report.baseline)
@@ -37,8 +41,10 @@ def verify_junit(report: VerifyReport, suite_name: str | None = None) -> ET.Elem
                              name=check.name, time="0")
         if check.passed:
             ET.SubElement(case, "system-out").text = _xml_safe(check.evidence)
+        elif not check.observable and skipping:
+            ET.SubElement(case, "skipped", message=_xml_safe(_one_line(check.evidence)[:FAILURE_MESSAGE_CHARS]))
         else:
-            failure = ET.SubElement(case, "failure", type="CheckFailed",
+            failure = ET.SubElement(case, "failure", type="CheckFailed" if check.observable else "NotObservable",
                                     message=_xml_safe(_one_line(check.evidence)[:FAILURE_MESSAGE_CHARS]))
             failure.text = _xml_safe(f"request {i}: {request.prompt_tokens} prompt tokens, "
                                      f"key {request.key or '-'}\n{check.evidence}")

@@ -19,7 +19,7 @@ from kvctl.errors import BadInput
 from kvctl.verify.checks import ERROR_CHECK
 from kvctl.verify.cluster_info import ClusterInfo
 from kvctl.verify.log_files import LOG_WAIT_S
-from kvctl.verify.report import VerifyReport
+from kvctl.verify.report import REQUIRE_ALL, VerifyReport
 from kvctl.verify.verifier import DEFAULT_MAX_TOKENS, Progress, RunOptions, run_verify
 
 _SUBJECTS = ("the lighthouse keeper", "a river barge", "the night train", "an old orchard",
@@ -60,6 +60,7 @@ class LoadStats:
     errors: list[dict] = field(default_factory=list)  # requests that raised
     mismatches: list[dict] = field(default_factory=list)  # D's output differs from the baseline
     failed_checks: dict[str, int] = field(default_factory=dict)  # check name -> failures
+    not_observable: dict[str, int] = field(default_factory=dict)  # check name -> requests it was not observable in
     prefill_latency_s: list[float] = field(default_factory=list)
     decode_latency_s: list[float] = field(default_factory=list)
     transfer_bytes: int = 0
@@ -87,7 +88,7 @@ class LoadStats:
             "transfer_bytes": self.transfer_bytes,
             "num_mismatches": len(self.mismatches), "mismatches": self.mismatches,
             "num_errors": len(self.errors), "errors": self.errors,
-            "failed_checks": self.failed_checks,
+            "failed_checks": self.failed_checks, "not_observable": self.not_observable,
         }
 
 
@@ -112,6 +113,9 @@ def summarise(report: VerifyReport, concurrency: int, wall_s: float) -> LoadStat
         for check in req.checks:
             if check.passed:
                 continue
+            if not check.observable:
+                stats.not_observable[check.name] = stats.not_observable.get(check.name, 0) + 1
+                continue
             stats.failed_checks[check.name] = stats.failed_checks.get(check.name, 0) + 1
             item = {"request": i, "key": req.key or None, "prompt": req.prompt, "evidence": check.evidence}
             if check.name == ERROR_CHECK:
@@ -131,11 +135,12 @@ def summarise(report: VerifyReport, concurrency: int, wall_s: float) -> LoadStat
 
 def run_load(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
              max_tokens: int = DEFAULT_MAX_TOKENS, concurrency: int = 8, progress: Progress | None = None, *,
-             log_wait_s: float = LOG_WAIT_S) -> LoadReport:
+             log_wait_s: float = LOG_WAIT_S, require: str = REQUIRE_ALL, via_endpoint: bool = False) -> LoadReport:
     """Verify every prompt with `concurrency` clients at once; a request that fails is recorded, not fatal.
 
-    Raises BadInput for empty prompts, max_tokens < 1 or concurrency < 1.
+    Raises BadInput for empty prompts, max_tokens < 1, concurrency < 1 or an unknown require.
     """
-    options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, keep_going=True, log_wait_s=log_wait_s)
+    options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, keep_going=True, log_wait_s=log_wait_s,
+                         require=require, via_endpoint=via_endpoint)
     run = run_verify(state, prompts, options, progress)
     return LoadReport(run.report, summarise(run.report, concurrency, run.wall_s))

@@ -19,6 +19,12 @@ Log lines are matched by key, never by position, and each request only looks
 at what its instances logged after it started, so requests may run
 concurrently. Library code: nothing here prints; it returns reports or raises
 KvctlError.
+
+An attached cluster may hide evidence: an instance without a log source, a
+store not visible here. The checks that need it are `not_observable` (with
+the reason), never passed; `RunOptions.require` decides the verdict
+(kvctl.verify.report). A log that is a command's output (`cmd:...`) is
+captured for as long as `run_verify` runs (kvctl.verify.log_files).
 """
 
 from __future__ import annotations
@@ -45,16 +51,17 @@ from kvctl.verify.checks import (
     check_output_matches_baseline,
     check_store_entry_written,
     match_request_key,
+    not_observable,
     transfer_bytes,
 )
 from kvctl.verify.cluster_info import ClusterInfo, cluster_info
-from kvctl.verify.log_files import LOG_WAIT_S, LogFile, poll
+from kvctl.verify.log_files import LOG_WAIT_S, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
-from kvctl.verify.report import RequestReport, VerifyReport
+from kvctl.verify.report import REQUIRE_ALL, REQUIRE_CHOICES, RequestReport, VerifyReport
 
 DEFAULT_MAX_TOKENS = 16
 
-Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|baseline|done)
+Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|endpoint|baseline|done)
 SendChildren = Sequence[tuple[int, str]]  # (child index, connector name) of P's children that must log a send
 
 
@@ -83,16 +90,31 @@ class ClusterVerifier:
 
     `send_children`: the children whose `sent to connector` line P must log
     per request; default: every sending child of P's config.
+
+    `via_endpoint`: each request goes once through the cluster's endpoint (the
+    router: P with max_tokens=1, then D), instead of to P and then D directly;
+    the evidence is looked for in the logs of every instance of each role
+    (the router may pick any), and the baseline still comes from P directly.
     """
 
     def __init__(self, info: ClusterInfo, *, log_wait_s: float = LOG_WAIT_S,
-                 send_children: SendChildren | None = None):
+                 send_children: SendChildren | None = None, via_endpoint: bool = False):
         self.info = info
         self.log_wait_s = log_wait_s
         self.prefill = VLLMClient(info.prefill.url, info.model, role="prefill")
         self.decode = VLLMClient(info.decode.url, info.model, role="decode")
-        self.p_log = LogFile(info.prefill.log_path)
-        self.d_log = LogFile(info.decode.log_path)
+        self.endpoint: VLLMClient | None = None
+        if via_endpoint:
+            if not info.endpoint:
+                raise BadInput(f"cluster {info.name!r} has no endpoint to send requests through", field="via_endpoint",
+                               fix="attach it with its router's URL as the endpoint, or verify P and D directly")
+            self.endpoint = VLLMClient(info.endpoint, info.model, role="endpoint")
+            pool = info.all_instances()
+            self.p_log = LogPool([i for i in pool if i.role == "prefill"])
+            self.d_log = LogPool([i for i in pool if i.role == "decode"])
+        else:
+            self.p_log = LogPool([info.prefill])
+            self.d_log = LogPool([info.decode])
         self.children = (list(send_children) if send_children is not None
                          else expected_send_children(info.prefill.kv_transfer_config))
         self._identity: KVIdentity | None = None  # learned from the first matched entry
@@ -101,6 +123,8 @@ class ClusterVerifier:
     def close(self) -> None:
         self.prefill.close()
         self.decode.close()
+        if self.endpoint is not None:
+            self.endpoint.close()
 
     def __enter__(self) -> "ClusterVerifier":
         return self
@@ -108,12 +132,24 @@ class ClusterVerifier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _p_unseen(self) -> str:
+        return f"P's log ({self.p_log.unobservable})"
+
     def run_prefill(self, prompt: str) -> PrefillOutcome:
         """Tokenize on P, send P max_tokens=1, find its send line and check the entry."""
         messages = user_messages(prompt)
         tokens = self.prefill.tokenize_chat(messages)
         start = self.p_log.offset()
         result = self.prefill.chat(messages, max_tokens=1)
+        return self.prefill_evidence(tokens, result, start)
+
+    def prefill_evidence(self, tokens: list[int], result: ChatResult, start: tuple[int, ...]) -> PrefillOutcome:
+        """P's send line for `tokens` in what P logged since `start`, and the entry it names."""
+        if not self.p_log.observable:  # the key comes from P's log: without it, nothing can be matched
+            why = self._p_unseen()
+            store = (not_observable("store_entry_written", self.info.store_unobservable) if self.info.store is None
+                     else not_observable("store_entry_written", f"the entry is found by the key in {why}"))
+            return PrefillOutcome(tokens, result, None, not_observable("kv_send_logged", why), store)
         with self._lock:
             known = self._identity
 
@@ -132,36 +168,83 @@ class ClusterVerifier:
         if match is not None and match.identity is not None:
             with self._lock:
                 self._identity = match.identity
+        if match is None and not self.p_log.complete:  # it may have gone to a P whose log is out of reach
+            why = f"no send line in the P logs kvctl can read, and the request may have gone to {self._p_unseen()}"
+            return PrefillOutcome(tokens, result, None, not_observable("kv_send_logged", why),
+                                  not_observable("store_entry_written", f"the entry is found by the key: {why}"))
         kv_send = check_kv_send_logged(match, text, len(tokens), self.children)
-        store_entry = check_store_entry_written(self.info.store, match.key if match else "", tokens)
+        store_entry = (not_observable("store_entry_written", self.info.store_unobservable) if self.info.store is None
+                       else check_store_entry_written(self.info.store, match.key if match else "", tokens))
         return PrefillOutcome(tokens, result, match, kv_send, store_entry)
 
-    def run_decode(self, prompt: str, key: str, max_tokens: int) -> tuple[ChatResult, CheckResult, str]:
-        """D with max_tokens; returns its result, the skip check and D's new log text."""
+    def run_decode(self, prompt: str, key: str, max_tokens: int,
+                   key_unknown: str = "") -> tuple[ChatResult, CheckResult, str]:
+        """D with max_tokens; returns its result, the skip check and D's new log text.
+
+        `key_unknown`: why this request's key cannot be known (P's log is not
+        observable); the skip check is then not observable either.
+        """
         start = self.d_log.offset()
         result = self.decode.chat(user_messages(prompt), max_tokens=max_tokens)
+        check, text = self.decode_evidence(key, start, key_unknown)
+        return result, check, text
+
+    def decode_evidence(self, key: str, start: tuple[int, ...], key_unknown: str = "") -> tuple[CheckResult, str]:
+        """D's skip (or redo) line for `key` in what D logged since `start`."""
+        if not self.d_log.observable:
+            return not_observable("decode_skipped_forward", f"D's log ({self.d_log.unobservable})"), ""
+        if key_unknown:
+            return not_observable("decode_skipped_forward", f"D's line is matched by the request's key, "
+                                                            f"which comes from {key_unknown}"), ""
 
         def settled(text: str) -> bool:
             return bool(key) and (any(key in s.keys for s in markers.skip_forwards(text))
                                   or any(r.mentions(key) for r in markers.redo_forwards(text)))
 
         text = poll(lambda: self.d_log.read_from(start), settled, self.log_wait_s if key else 0)
+        if key and not settled(text) and not self.d_log.complete:
+            return not_observable("decode_skipped_forward", f"no line for key {key} in the D logs kvctl can read, "
+                                                            f"and the request may have gone to D's log "
+                                                            f"({self.d_log.unobservable})"), text
         cfg = self.info.decode.kv_transfer_config
         hint = ("D was launched without a kv-transfer-config" if not cfg
                 else f"D's kv-transfer-config: {json.dumps(cfg, separators=(',', ':'))}")
-        return result, check_decode_skipped_forward(text, key, hint), text
+        return check_decode_skipped_forward(text, key, hint), text
 
     def run_baseline(self, prompt: str, max_tokens: int) -> ChatResult:
         return self.prefill.chat(user_messages(prompt), max_tokens=max_tokens)
 
     def verify_prompt(self, prompt: str, max_tokens: int,
                       stage: Callable[[str], None] = lambda s: None) -> RequestReport:
+        if self.endpoint is not None:
+            return self.verify_prompt_via_endpoint(prompt, max_tokens, stage)
         stage("prefill")
         pre = self.run_prefill(prompt)
         stage("decode")
-        dec, skip_check, d_text = self.run_decode(prompt, pre.key, max_tokens)
+        key_unknown = "" if pre.match is not None or self.p_log.complete else self._p_unseen()
+        dec, skip_check, d_text = self.run_decode(prompt, pre.key, max_tokens, key_unknown)
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
+        return self._report(prompt, pre, dec, skip_check, d_text, base)
+
+    def verify_prompt_via_endpoint(self, prompt: str, max_tokens: int,
+                                   stage: Callable[[str], None] = lambda s: None) -> RequestReport:
+        """One request through the endpoint (the router runs P, then D), checked like a direct one."""
+        assert self.endpoint is not None
+        messages = user_messages(prompt)
+        stage("endpoint")
+        tokens = self.prefill.tokenize_chat(messages)
+        p_start, d_start = self.p_log.offset(), self.d_log.offset()
+        dec = self.endpoint.chat(messages, max_tokens=max_tokens)
+        pre = self.prefill_evidence(tokens, dec, p_start)
+        key_unknown = "" if pre.match is not None or self.p_log.complete else self._p_unseen()
+        skip_check, d_text = self.decode_evidence(pre.key, d_start, key_unknown)
+        stage("baseline")
+        base = self.run_baseline(prompt, max_tokens)
+        return self._report(prompt, pre, dec, skip_check, d_text, base)
+
+    def _report(self, prompt: str, pre: PrefillOutcome, dec: ChatResult, skip_check: CheckResult, d_text: str,
+                base: ChatResult) -> RequestReport:
         skip = next((s for s in markers.skip_forwards(d_text) if pre.key and pre.key in s.keys), None)
         send = pre.match.send if pre.match else None
         return RequestReport(
@@ -187,6 +270,8 @@ class RunOptions:
     keep_going: bool = False  # a request that raises becomes a failed ERROR_CHECK instead of stopping the run
     send_children: SendChildren | None = None  # see ClusterVerifier; None: every sending child of P
     log_wait_s: float = LOG_WAIT_S
+    require: str = REQUIRE_ALL  # all | observable: what a check that is not observable does to the verdict
+    via_endpoint: bool = False  # each request through the cluster's endpoint (see ClusterVerifier)
 
 
 @dataclass
@@ -202,10 +287,12 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
     """Verify every prompt against the cluster; the one driver of verify, load mode and scenarios.
 
     `progress(i, total, stage)` is called as request i reaches each stage and
-    with "done" when it is finished. Raises BadInput for empty prompts,
-    max_tokens < 1 or concurrency < 1 (fields `prompts`, `max_tokens`,
-    `concurrency`); without `keep_going`, RuntimeFailure when an instance
-    cannot be reached or answers with an error.
+    with "done" when it is finished. Log commands (`cmd:` sources) run while
+    the requests do, and are stopped however the run ends. Raises BadInput for
+    empty prompts, max_tokens < 1, concurrency < 1 or an unknown require
+    (fields `prompts`, `max_tokens`, `concurrency`, `require`); without
+    `keep_going`, RuntimeFailure when an instance cannot be reached or answers
+    with an error.
     """
     info = state if isinstance(state, ClusterInfo) else cluster_info(state)
     prompts = check_prompts(prompts)
@@ -215,10 +302,15 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
     if options.concurrency < 1:
         raise BadInput(f"concurrency must be at least 1, got {options.concurrency}", field="concurrency",
                        fix="use 8 (or any C >= 1)")
+    if options.require not in REQUIRE_CHOICES:
+        raise BadInput(f"unknown require {options.require!r}", field="require",
+                       fix=f"use one of: {', '.join(REQUIRE_CHOICES)}")
     total = len(prompts)
     report = progress or (lambda i, n, s: None)
 
-    with ClusterVerifier(info, log_wait_s=options.log_wait_s, send_children=options.send_children) as verifier:
+    with capturing_logs(info, every=options.via_endpoint) as info, \
+            ClusterVerifier(info, log_wait_s=options.log_wait_s, send_children=options.send_children,
+                            via_endpoint=options.via_endpoint) as verifier:
         def one(i: int) -> RequestReport:
             try:
                 result = verifier.verify_prompt(prompts[i], options.max_tokens, lambda s: report(i, total, s))
@@ -238,15 +330,18 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
             with ThreadPoolExecutor(max_workers=options.concurrency) as pool:
                 requests = list(pool.map(one, range(total)))
         wall = time.perf_counter() - start
-    return VerifyRun(VerifyReport(cluster=info.name, requests=requests, max_tokens=options.max_tokens), wall)
+    return VerifyRun(VerifyReport(cluster=info.name, requests=requests, max_tokens=options.max_tokens,
+                                  require=options.require), wall)
 
 
 def verify_cluster(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str] = DEFAULT_PROMPTS,
                    max_tokens: int = DEFAULT_MAX_TOKENS, progress: Progress | None = None, *,
-                   concurrency: int = 1, log_wait_s: float = LOG_WAIT_S) -> VerifyReport:
+                   concurrency: int = 1, log_wait_s: float = LOG_WAIT_S, require: str = REQUIRE_ALL,
+                   via_endpoint: bool = False) -> VerifyReport:
     """`kvctl verify`: every prompt against the cluster (ClusterState, its dict, or ClusterInfo).
 
     Stops at the first request that raises. Raises as `run_verify`.
     """
-    options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, log_wait_s=log_wait_s)
+    options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, log_wait_s=log_wait_s, require=require,
+                         via_endpoint=via_endpoint)
     return run_verify(state, prompts, options, progress).report

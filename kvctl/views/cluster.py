@@ -50,7 +50,11 @@ def render_launched(out: Output, state: ClusterState) -> None:
         table.add_column(col, overflow="fold")
     for role, rec in state.instances.items():
         table.add_row(role, rec.url, _ident(rec), rec.log_path)
+    if state.router is not None:
+        table.add_row("router", state.router["url"], str(state.router["pid"]), state.router["log_path"])
     out.stdout.print(table)
+    if state.endpoint:
+        out.stdout.print(f"endpoint: {state.endpoint}  (OpenAI API: {state.endpoint}/v1)", highlight=False)
     out.info(f"store: {state.store}\nnext: `kvctl verify --name {state.name}`, "
              f"`kvctl down --name {state.name}`")
 

@@ -11,9 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.verify.checks import CHECKS
+from kvctl.verify.checks import CHECKS, CheckResult
 from kvctl.verify.load_mode import LoadReport
-from kvctl.verify.report import VerifyReport
+from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
 from kvctl.verify.verifier import Progress as RequestProgress
 from kvctl.views.output import Output
 
@@ -38,8 +38,33 @@ def request_bar(out: Output, label: str, total: int) -> Iterator[RequestProgress
         yield progress
 
 
+def _mark(c: CheckResult | None) -> Text:
+    if c is None or (not c.passed and c.observable):
+        return Text("✗", style="bold red")
+    return Text("✓", style="green") if c.passed else Text("?", style="yellow")
+
+
+def _render_not_observable(report: VerifyReport, console: Console) -> int:
+    """One line per check that was not observable (with the reason); returns how many checks were not."""
+    reasons = report.not_observable()
+    for name, why in reasons.items():
+        console.print(Text.assemble(("? ", "yellow"), (f"{name} not observable: ", "yellow"), why))
+    return sum(len(r.not_observable) for r in report.requests)
+
+
+def _verdict(report: VerifyReport, passed: bool, failed: int, unseen: int) -> Text:
+    note = ""
+    if unseen:
+        note = (f" ({unseen} checks not observable, allowed by --require observable)"
+                if report.require == REQUIRE_OBSERVABLE
+                else f" ({unseen} checks not observable; --require observable would allow them)")
+    if passed:
+        return Text.assemble(("PASSED", "bold green"), note)
+    return Text.assemble((f"FAILED ({failed} failed checks)", "bold red"), note)
+
+
 def render_verify_report(report: VerifyReport, console: Console) -> None:
-    """The request x check table, then the evidence of every failed check."""
+    """The request x check table, then the evidence of every failed check and the unobservable ones."""
     legend = "  ".join(f"{short}={name}" for name, short in _SHORT.items())
     table = Table(title=f"kvctl verify: cluster {report.cluster}", title_justify="left",
                   caption=legend, caption_justify="left", box=box.SIMPLE_HEAD,
@@ -53,17 +78,16 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
     table.add_column("D s", justify="right")
     table.add_column("KV bytes", justify="right", no_wrap=True)
     for i, r in enumerate(report.requests):
-        marks = [Text("✓", style="green") if (c := r.check(n)) and c.passed else Text("✗", style="bold red")
-                 for n in CHECKS]
+        marks = [_mark(r.check(n)) for n in CHECKS]
         table.add_row(str(i + 1), str(r.prompt_tokens), r.key[:8] or "-", *marks,
                       _secs(r.prefill_latency_s), _secs(r.decode_latency_s),
                       f"{r.transfer_bytes:,}" if r.transfer_bytes is not None else "-")
     console.print(table)
-    failed = [(i, c) for i, r in enumerate(report.requests) for c in r.checks if not c.passed]
+    failed = [(i, c) for i, r in enumerate(report.requests) for c in r.checks if not c.passed and c.observable]
     for i, c in failed:
         console.print(Text.assemble((f"✗ request {i + 1} {c.name}: ", "bold red"), c.evidence))
-    verdict = (Text("PASSED", style="bold green") if report.passed
-               else Text(f"FAILED ({len(failed)} failed checks)", style="bold red"))
+    unseen = _render_not_observable(report, console)
+    verdict = _verdict(report, report.passed, len(failed), unseen)
     console.print(Text.assemble(verdict, f"  {len(report.requests)} requests, D max_tokens={report.max_tokens},"
                                          f" baseline: {report.baseline}"))
 
@@ -95,9 +119,9 @@ def render_load(result: LoadReport, console: Console) -> None:
     console.print(table)
     for i, r in enumerate(result.verify.requests):
         for c in r.checks:
-            if not c.passed:
+            if not c.passed and c.observable:
                 console.print(Text.assemble((f"✗ request {i + 1} {c.name}: ", "bold red"), c.evidence))
+    unseen = _render_not_observable(result.verify, console)
     failed = sum(load["failed_checks"].values())
-    verdict = (Text("PASSED", style="bold green") if result.passed
-               else Text(f"FAILED ({failed} failed checks)", style="bold red"))
+    verdict = _verdict(result.verify, result.passed, failed, unseen)
     console.print(Text.assemble(verdict, f"  baseline: {result.verify.baseline}"))

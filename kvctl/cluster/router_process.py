@@ -1,0 +1,74 @@
+"""The router beside a launched cluster: one OpenAI endpoint in front of its instances.
+
+`start_router` runs `python -m kvctl.router` (kvctl's own interpreter: the
+router needs aiohttp, not vLLM) in its own session, on a free loopback port,
+with every prefill and decode instance named as in cluster.json, and waits
+for its /health (200 only once a P and a D answer). The returned record goes
+into cluster.json under "router"; `router_instance` turns it back into an
+Instance (status, logs, stop) through the local runtime, as for a server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvctl.errors import RuntimeFailure
+from kvctl.runtime import get_runtime
+from kvctl.runtime.base import Instance, read_log_tail
+from kvctl.runtime.processes import process_start_ticks
+from kvctl.subprocesses import TAIL_LINES
+
+ROUTER_MODULE = "kvctl.router"
+ROUTER_READY_S = 60.0  # the router is up in about a second; its /health waits for P and D
+
+
+def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int,
+                 host: str = "127.0.0.1") -> dict[str, Any]:
+    """Start the router for `instances` ({name: (role, url)}) and wait until it is healthy.
+
+    Returns its record: url, pid, start_ticks, command, log_path. Raises
+    RuntimeFailure (with the router's log tail) when it exits or stays
+    unhealthy; the process is stopped first.
+    """
+    argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
+    for name, (role, url) in sorted(instances.items()):
+        argv += [f"--{role}", f"{name}={url}"]
+    log_path = cdir / "logs" / "router.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                cwd=cdir, start_new_session=True, env=os.environ.copy())
+    url = f"http://{host}:{port}"
+    record = {"url": url, "pid": proc.pid, "start_ticks": process_start_ticks(proc.pid),
+              "command": argv, "log_path": str(log_path)}
+    deadline = time.monotonic() + ROUTER_READY_S
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            try:
+                if client.get(f"{url}/health").status_code == 200:
+                    return record
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+    router_instance(record).stop(5.0)
+    proc.wait(timeout=10)
+    tail = "\n".join(read_log_tail(log_path, TAIL_LINES))
+    raise RuntimeFailure(f"the router at {url} did not become healthy (exit code {proc.returncode})",
+                         where=str(log_path), fix="read the router's log tail below",
+                         details=tail)
+
+
+def router_instance(record: Mapping[str, Any]) -> Instance:
+    """The router process of a cluster as an Instance (status, logs, stop)."""
+    return get_runtime("local").attach("router", record["url"], Path(record["log_path"]),
+                                       {k: record[k] for k in ("pid", "start_ticks", "command")})
