@@ -17,18 +17,21 @@ from kvctl.views.verify import render_verify_report
 
 
 def render_scenario_list(rows: list[dict[str, Any]], out: Output) -> None:
-    """One line per scenario (name, runtime, model, runs here), its description under it."""
+    """One line per scenario (name, runtime, model, runs here or what is missing), its description under it."""
     # A wide table does not fit 80 columns.
     width = {k: max([len(k)] + [len(str(r.get(k) or "?")) for r in rows]) for k in ("name", "runtime", "model")}
     out.stdout.print("  ".join(k.upper().ljust(width[k]) for k in width) + "  RUNS HERE", style="bold",
                      highlight=False)
     for r in rows:
         runs = ("[green]yes[/green]" if r["runnable"] else
-                "[red]invalid[/red]" if not r["valid"] else f"[yellow]no[/yellow] (needs {r['runtime']})")
+                "[red]invalid[/red]" if not r["valid"] else
+                f"[yellow]no[/yellow] (missing {escape(', '.join(r.get('missing') or [str(r['runtime'])]))})")
         cells = "  ".join(escape(str(r.get(k) or "?")).ljust(width[k]) for k in width)
         out.stdout.print(f"{cells}  {runs}", highlight=False)
         note = r.get("description") or r["note"]
         out.stdout.print(f"  [dim]{escape(note)}[/dim]", highlight=False)
+        if r["valid"] and not r["runnable"] and r.get("description"):
+            out.stdout.print(f"  [yellow]not here:[/yellow] [dim]{escape(r['note'])}[/dim]", highlight=False)
     out.info("run one with `kvctl scenario run NAME`; check one with `kvctl validate NAME`")
 
 
