@@ -205,12 +205,24 @@ def test_engine_names_are_checked(tmp_path):
     missing = kvctl("rig", "python", "--engine", "v1", env=env)
     assert missing.returncode == 2 and missing.stdout == ""
     assert "engine v1" in missing.stderr and "kvctl rig install" in missing.stderr
+    assert "--engine" in kvctl("rig", "install", "--help", env=env).stdout
+
+
+def test_spec_file_and_python_override_apply_to_their_own_engine(tmp_path, monkeypatch):
     spec_file = tmp_path / "spec.json"
     spec_file.write_text(json.dumps({"engine": "v1", "pip_args": ["-q"]}))
-    assert rig.load_spec(spec_file).torch == ("torch==2.13.0",)  # the file's engine, its pins
-    with pytest.raises(rig.BadInput, match="for engine v1, not v0"):
-        rig.load_spec(spec_file, "v0")
-    assert "--engine" in kvctl("rig", "install", "--help", env=env).stdout
+    monkeypatch.setenv(rig.SPEC_ENV, str(spec_file))
+    v1 = rig.default_spec("v1")
+    assert v1.torch == ("torch==2.13.0",) and v1.pip_args == ("-q",)  # v1 pins + the file's field
+    assert rig.default_spec() == rig.default_spec("v0") == rig.RigSpec()  # not for v0
+    spec_file.write_text(json.dumps({"pip_args": ["-q"]}))  # no engine: a v0 file
+    assert rig.default_spec().pip_args == ("-q",) and rig.default_spec("v1").pip_args == ()
+    py = Path(sys.executable)
+    monkeypatch.setenv(rig.PYTHON_ENV, "/nonexistent/python")
+    monkeypatch.setenv(rig.PYTHON_ENVS["v1"], str(py))
+    assert rig.rig_python(rig.default_spec("v1")) == py.absolute()
+    with pytest.raises(rig.BadInput, match="KVCTL_RIG_PYTHON is not an interpreter"):
+        rig.rig_python()
 
 
 def test_remove_step_uninstalls_and_verify_takes_out_an_old_project_install(tmp_path):

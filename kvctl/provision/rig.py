@@ -92,8 +92,9 @@ V1_REMOVE = ("torchvision", "torchaudio", "torchcodec")  # pulled in, unused, an
 
 # Modules connectors/ imports that the rig must provide (checked by `verify`).
 CONNECTOR_MODULES = ("xxhash",)
-SPEC_ENV = "KVCTL_RIG_SPEC"  # JSON file of RigSpec field overrides
-PYTHON_ENV = "KVCTL_RIG_PYTHON"  # use this interpreter instead of an installed rig
+SPEC_ENV = "KVCTL_RIG_SPEC"  # JSON file of RigSpec field overrides, for the engine it names
+PYTHON_ENV = "KVCTL_RIG_PYTHON"  # use this interpreter instead of an installed v0 rig
+PYTHON_ENVS = {"v0": PYTHON_ENV, "v1": "KVCTL_RIG_V1_PYTHON"}  # the same, per engine
 # -----------------------------------------------------------------------------
 
 
@@ -156,13 +157,12 @@ def engine_spec(engine: str | None = None) -> RigSpec:
                    fix=f"use one of: {', '.join(ENGINES)} (default {DEFAULT_ENGINE})")
 
 
-def load_spec(path: Path | str, engine: str | None = None) -> RigSpec:
-    """A RigSpec from a JSON object of field overrides on an engine's built-in pins.
+def load_spec(path: Path | str) -> RigSpec:
+    """A RigSpec from a JSON object of field overrides on the built-in pins of the engine
+    it names (its "engine" field, else DEFAULT_ENGINE).
 
-    The engine is `engine`, else the file's "engine" field, else DEFAULT_ENGINE.
     Raises BadInput naming the file and field when it is unreadable, not an
-    object, has an unknown field or a value of the wrong type, or names
-    another engine than `engine`.
+    object, has an unknown field or a value of the wrong type.
     """
     path = Path(path)
     try:
@@ -180,12 +180,7 @@ def load_spec(path: Path | str, engine: str | None = None) -> RigSpec:
             raise BadInput(f"unknown rig spec field {name!r}", where=f"{path}: {name}",
                            fix=f"use one of: {', '.join(known)}")
         values[name] = _coerce(name, known[name].default, value, path)
-    named = values.get("engine")
-    if engine and named and named != engine:
-        raise BadInput(f"the rig spec is for engine {named}, not {engine}", field="engine",
-                       fix=f"ask for engine {named}, or unset {SPEC_ENV}")
-    base = engine_spec(engine or named)
-    return dataclasses.replace(base, **values)
+    return dataclasses.replace(engine_spec(values.get("engine")), **values)
 
 
 def _coerce(name: str, default, value, path: Path):
@@ -218,12 +213,18 @@ def _coerce(name: str, default, value, path: Path):
 
 
 def default_spec(engine: str | None = None) -> RigSpec:
-    """The built-in pins of `engine`, with the overrides in the file $KVCTL_RIG_SPEC names.
+    """The rig of `engine` (None: DEFAULT_ENGINE): its built-in pins, or the file
+    $KVCTL_RIG_SPEC names when that file is for this engine.
 
     Raises BadInput for an unknown engine or a bad spec file.
     """
+    wanted = engine_spec(engine)
     override = os.environ.get(SPEC_ENV)
-    return load_spec(override, engine) if override else engine_spec(engine)
+    if override:
+        spec = load_spec(override)
+        if spec.engine == wanted.engine:
+            return spec
+    return wanted
 
 
 def digest(obj) -> str:
@@ -677,19 +678,21 @@ def _run_steps(rig: Rig, emit: Progress) -> list[StepResult]:
 # ---- using an installed rig -------------------------------------------------------
 
 def rig_python(spec: RigSpec | None = None) -> Path:
-    """The installed rig's interpreter, or $KVCTL_RIG_PYTHON when set.
+    """The installed rig's interpreter, or the one its engine's override names
+    ($KVCTL_RIG_PYTHON for v0, $KVCTL_RIG_V1_PYTHON for v1: PYTHON_ENVS).
 
     Raises BadInput when the override is not a file, or when the rig is
     missing or incomplete, with the fix `kvctl rig install`.
     """
-    override = os.environ.get(PYTHON_ENV)
+    spec = spec or default_spec()
+    env = PYTHON_ENVS[spec.engine]
+    override = os.environ.get(env)
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
-            raise BadInput(f"{PYTHON_ENV} is not an interpreter: {path}", where=PYTHON_ENV,
-                           fix=f"point {PYTHON_ENV} at a rig's bin/python, or unset it")
+            raise BadInput(f"{env} is not an interpreter: {path}", where=env,
+                           fix=f"point {env} at a rig's bin/python, or unset it")
         return path.absolute()
-    spec = spec or default_spec()
     rig = Rig(spec)
     unfinished = rig.unfinished()
     if unfinished:
@@ -716,7 +719,7 @@ def rig_status(spec: RigSpec | None = None) -> dict:
     return {"engine": spec.engine, "path": str(rig.dir), "key": spec.key(),
             "python": str(rig.python), "log": str(rig.log),
             "installed": all(v == "done" for v in states.values()),
-            "python_override": os.environ.get(PYTHON_ENV),
+            "python_override": os.environ.get(PYTHON_ENVS[spec.engine]),
             "size_bytes": _disk_usage(rig.dir) if rig.dir.exists() else 0,
             "steps": steps,
             "inputs": spec.base_inputs()}

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
-from kvctl.provision.rig import Rig, default_spec, rig_python
+from kvctl.provision.rig import default_spec, rig_python
 from kvctl.runtime.base import (
     DEFAULT_ENGINE,
     ENTRYPOINT_MODULE,
@@ -49,36 +49,18 @@ from kvctl.runtime.processes import group_members, is_alive, process_start_ticks
 
 log = logging.getLogger(__name__)
 
-V1_PYTHON_ENV = "KVCTL_RIG_V1_PYTHON"  # use this interpreter instead of the installed V1 rig
 KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
 POLL_S = 0.1
 
 
 def engine_python(engine: str) -> Path:
-    """The interpreter that runs `engine`'s servers.
+    """The interpreter that runs `engine`'s servers: the installed rig of that engine, or
+    the interpreter its override names (v0: $KVCTL_RIG_PYTHON, v1: $KVCTL_RIG_V1_PYTHON).
 
-    v0: `rig_python()` ($KVCTL_RIG_PYTHON, else the installed V0 rig). v1:
-    $KVCTL_RIG_V1_PYTHON, else the installed V1 rig ($KVCTL_RIG_PYTHON names
-    a V0 interpreter and never applies here). Raises BadInput for an unknown
-    engine, an override that is not a file, or a rig that is not installed.
+    Raises BadInput for an unknown engine, an override that is not a file, or a
+    rig that is not installed.
     """
-    if engine == DEFAULT_ENGINE:
-        return rig_python()
-    spec = default_spec(engine)  # BadInput (field "engine") for an unknown one
-    override = os.environ.get(V1_PYTHON_ENV)
-    if override:
-        path = Path(override).expanduser()
-        if not path.is_file():
-            raise BadInput(f"{V1_PYTHON_ENV} is not an interpreter: {path}", where=V1_PYTHON_ENV,
-                           fix=f"point {V1_PYTHON_ENV} at a V1 rig's bin/python, or unset it")
-        return path.absolute()
-    rig = Rig(spec)
-    unfinished = rig.unfinished()
-    if unfinished:
-        raise BadInput(f"CPU rig (engine {engine}) not installed", where=str(rig.dir),
-                       fix=f"install the rig for engine {engine} (`kvctl rig install`; it keeps the steps already done)",
-                       details="steps not done: " + ", ".join(unfinished))
-    return rig.python
+    return rig_python(default_spec(engine))
 
 
 class LocalInstance:
