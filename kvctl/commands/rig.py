@@ -17,8 +17,9 @@ rig_app = typer.Typer(
          "engine and set of pins, shared by every kvctl installation (checkouts, wheels, "
          "pipx). Engine v0 (the default): vLLM 0.9.2 CPU, the V0 connectors; v1: vLLM 0.32.0 "
          "CPU on torch 2.13.0. Each kvctl brings its own connectors to the servers through "
-         "an overlay ($KVCTL_HOME/overlays) on their PYTHONPATH. Env: KVCTL_RIG_PYTHON uses a "
-         "pre-built rig's interpreter; KVCTL_RIG_SPEC names a JSON file of pin overrides.",
+         "an overlay ($KVCTL_HOME/overlays) on their PYTHONPATH. Env: KVCTL_RIG_PYTHON (v0), "
+         "KVCTL_RIG_V1_PYTHON (v1) use a pre-built rig's interpreter; KVCTL_RIG_SPEC names a JSON "
+         "file of pin overrides for the engine it names (default v0).",
     no_args_is_help=True,
 )
 
