@@ -63,8 +63,11 @@ def status(engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
 @rig_app.command("venv")
 def venv(path: Path = typer.Argument(..., help="The venv's directory (made, or brought up to date)."),
          engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
-    """Make PATH a venv layered on the rig: it sees the rig's packages and installs only into
-    itself (`PATH/bin/python -m pip install ...`), so the rig stays as built. `make test`
-    keeps one per checkout (.venv/rig) for kvctl and pytest. Prints its python."""
+    """Make PATH a venv layered on the rig (prints its python).
+
+    It sees the rig's packages and installs only into itself (`PATH/bin/python -m pip
+    install ...`, pinned to the rig's versions), so the rig stays as built. `make test`
+    keeps one per checkout (.venv/rig) for kvctl and pytest.
+    """
     out = Output(json_mode=json_out)
     render_layered_venv(out, rig.layered_venv(path, rig.default_spec(engine)))
