@@ -1,4 +1,4 @@
-"""`kvctl image build cpu|gpu`: build (or find) the images the docker runtime runs."""
+"""`kvctl image build cpu|gpu [--engine v0|v1]`: build (or find) the images the docker runtime runs."""
 
 from __future__ import annotations
 
@@ -23,10 +23,16 @@ def register(app: typer.Typer) -> None:
 @image_app.command("build")
 def build(
     kind: str = typer.Argument(
-        ..., help="cpu (the vLLM 0.9.2 CPU rig + this kvctl) or gpu (official vLLM 0.9.2 image "
+        ..., help="cpu (the vLLM 0.9.2 CPU rig + this kvctl) or gpu (official vLLM image "
                   "+ LMCache + this kvctl)."),
+    engine: str = typer.Option(
+        "v0", "--engine",
+        help=f"vLLM engine of the image: v0 (default; gpu FROM {images.DEFAULT_GPU_BASES['v0']}, tagged "
+             f"{images.gpu_repo('v0')}) or v1 (gpu only: FROM {images.DEFAULT_GPU_BASES['v1']}, the V1 "
+             f"rig's vLLM, tagged {images.gpu_repo('v1')})."),
     base_image: str | None = typer.Option(
-        None, "--base-image", help=f"gpu only: the image to build FROM (default {images.DEFAULT_GPU_BASE})."),
+        None, "--base-image", help="gpu only: the image to build FROM (default: the engine's official "
+                                   "vLLM image, see --engine)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Show every build output line."),
     json_: bool = json_option("Print the result as one JSON object."),
 ) -> None:
@@ -35,5 +41,5 @@ def build(
     cpu: a rig layer (vLLM, keyed by the rig's pins: minutes, once) and a thin layer with this
     kvctl's connectors (seconds). Needs the docker extra: pip install 'kvctl[docker]'."""
     out = Output(json_mode=json_)
-    result = images.build_image(kind, base_image=base_image, progress=BuildReporter(out, verbose))
+    result = images.build_image(kind, base_image=base_image, progress=BuildReporter(out, verbose), engine=engine)
     render_image(out, result)

