@@ -1,6 +1,7 @@
-"""Cluster lifecycle: launch a 1P1D cluster, report its status, tear it down.
+"""Cluster lifecycle: launch a 1P1D or xPyD cluster, report its status, tear it down.
 
-`launch_1p1d` starts P and D, records them in cluster.json as soon as each
+`launch_1p1d` starts every instance of the spec (P and D, or the prefill-0,
+..., decode-0, ... pools of `kvctl launch pd`), records them in cluster.json as soon as each
 process exists (so a `kvctl down` can always find them, even if the launching
 kvctl is killed), then waits for both `/health` endpoints while watching for
 process death. Any failure, Ctrl-C, SIGTERM or SIGHUP stops everything it
@@ -47,7 +48,7 @@ from kvctl.cluster.state import (
     utc_now,
 )
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
-from kvctl.runtime import ROLES, get_runtime
+from kvctl.runtime import get_runtime
 from kvctl.runtime.base import (
     Instance,
     InstanceSpec,
@@ -257,20 +258,27 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
+def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
+    """Each server's InstanceSpec, by instance name (`prefill`, or `prefill-0`, ...).
+
+    Instances of a role share its config (so its store), args, env and
+    engine; each has its own port (a free one unless given), core and log
+    (`logs/NAME.log`).
+    """
     cdir = cluster_dir(spec.name)
-    free = iter(_free_ports(2))
+    planned = spec.instances()
+    free = iter(_free_ports(sum(1 for p in planned if not p.port)))
     specs = {}
-    for role in ROLES:
-        rs = spec.role(role)
-        specs[role] = InstanceSpec(
-            cluster=spec.name, role=role, model=spec.model,
+    for p in planned:
+        rs = spec.role(p.role)
+        specs[p.name] = InstanceSpec(
+            cluster=spec.name, role=p.role, model=spec.model,
             served_model_name=spec.served_model_name, dtype=spec.dtype,
-            port=rs.port or next(free), cwd=cdir, log_path=cdir / "logs" / f"{role}.log",
+            port=p.port or next(free), cwd=cdir, log_path=cdir / "logs" / f"{p.name}.log",
             kv_transfer_config=rs.kv_transfer_config,
             worker_cls=spec.worker_cls if rs.engine == "v0" else None,  # V1 has no --worker-cls hooks
             block_size=spec.block_size if rs.engine == "v0" else None, max_model_len=spec.max_model_len,
-            engine=rs.engine, cpu_bind=rs.cpu_bind, extra_args=rs.extra_args, env=rs.env)
+            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=rs.env)
     return specs
 
 
@@ -333,7 +341,7 @@ def _wait_healthy(spec: ClusterSpec, instances: dict[str, Instance], t0: float,
 
 
 def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> ClusterState:
-    """Start P and D for `spec` and wait until both answer /health.
+    """Start every instance of `spec` (P and D, or the pools) and wait until all answer /health.
 
     Returns the saved ClusterState. Raises BadInput (name in use, rig
     missing) before starting anything; RuntimeFailure when a server dies or
@@ -366,16 +374,16 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             state = ClusterState(name=spec.name, runtime=spec.runtime, model=str(spec.model),
                                  served_model_name=spec.served_model_name,
                                  store=str(spec.store), created=utc_now())
-            ispecs = _instance_specs(spec)
+            ispecs = instance_specs(spec)
             check_instance = getattr(runtime, "check_instance", None)  # local: each engine's rig
             if check_instance is not None:
                 for ispec in ispecs.values():
                     check_instance(ispec)
-            for role, ispec in ispecs.items():
+            for iname, ispec in ispecs.items():
                 inst = runtime.start(ispec)
-                started[role] = inst
-                state.instances[role] = InstanceRecord(
-                    role=role, url=inst.url, log_path=str(inst.log_path),
+                started[iname] = inst
+                state.instances[iname] = InstanceRecord(
+                    role=ispec.role, url=inst.url, log_path=str(inst.log_path),
                     kv_transfer_config=ispec.kv_transfer_config, cwd=str(cdir),
                     runtime_fields={**inst.record(), "engine": ispec.engine})
                 save_cluster(state)  # at once: `kvctl down` must find it if we die
@@ -462,13 +470,26 @@ def all_cluster_status() -> tuple[list[ClusterStatus], list[DamagedCluster]]:
     return statuses, damaged
 
 
-def instance(name: str, role: str) -> Instance:
-    """The Instance for `role` of cluster `name` (for logs). Raises BadInput."""
+def instance(name: str, instance_name: str) -> Instance:
+    """Instance `instance_name` of cluster `name` (for logs), or its router (`router`).
+
+    A role (`prefill`, `decode`) names the role's only instance, so it works
+    on pools of one too. Raises BadInput for an unknown name or a role with
+    several instances, listing the names.
+    """
     state = load_cluster(name)
-    if role not in state.instances:
-        raise BadInput(f"cluster {name!r} has no {role!r} instance", where="ROLE",
-                       fix=f"use one of: {', '.join(state.instances)}")
-    return _attach_all(state)[role]
+    if instance_name == "router" and state.router is not None and "router" not in state.instances:
+        return router_instance(state.router)
+    names = list(state.instances) + (["router"] if state.router is not None else [])
+    key = instance_name
+    if key not in state.instances:
+        of_role = list(state.by_role(key))
+        if len(of_role) != 1:
+            what = f"{len(of_role)} {key} instances" if of_role else f"no {key!r} instance"
+            raise BadInput(f"cluster {name!r} has {what}", where="INSTANCE",
+                           fix=f"name one of: {', '.join(names)}")
+        key = of_role[0]
+    return _attach_all(state)[key]
 
 
 # --- down ---

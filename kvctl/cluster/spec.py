@@ -1,7 +1,8 @@
 """Cluster spec: what to launch, validated, with the defaults filled in. Starts nothing.
 
 `build_1p1d_spec` turns the inputs of `kvctl launch 1p1d` or a scenario into a
-ClusterSpec: the model dir, each role's kv-transfer-config (validated through
+ClusterSpec (`build_pd_spec`: the same with N prefill and M decode instances,
+`kvctl launch pd`): the model dir, each role's kv-transfer-config (validated through
 connectors.config), ports, environment, the shared store, the runtime and its
 options, and each role's engine (v0 or v1: the rig it runs from and the
 vLLM arguments it gets). Errors name the field at fault (`model`, `prefill_config`, `timeout`,
@@ -50,6 +51,7 @@ class RoleSpec:
     extra_args: tuple[str, ...] = ()  # extra vLLM arguments, verbatim
     env: Mapping[str, str] = field(default_factory=dict)
     engine: str = DEFAULT_ENGINE  # "v0" | "v1"
+    cpu_binds: tuple[str, ...] = ()  # one per instance of a pool (the first is cpu_bind)
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,40 @@ class ClusterSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     docker: DockerOptions | None = None  # image, GPUs, bind address, engines (docker runtime only)
     router: bool = True  # start kvctl's router: one endpoint in front of P and D
+    # xPyD pools: how many instances of each role (one RoleSpec each: same config, store,
+    # args, env and engine). `pooled` names them prefill-0, decode-0, ...; else (1P1D)
+    # the one instance of each role is named after it.
+    prefill_count: int = 1
+    decode_count: int = 1
+    pooled: bool = False
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
+
+    def count(self, role: str) -> int:
+        return {"prefill": self.prefill_count, "decode": self.decode_count}[role]
+
+    def instances(self) -> tuple[PlannedInstance, ...]:
+        """Every server to start, prefills first: its name, role, port and CPU bind."""
+        planned = []
+        for role in ("prefill", "decode"):
+            rs, n = self.role(role), self.count(role)
+            for i in range(n):
+                planned.append(PlannedInstance(
+                    name=f"{role}-{i}" if self.pooled else role, role=role,
+                    port=rs.port + i if rs.port else 0,
+                    cpu_bind=rs.cpu_binds[i] if i < len(rs.cpu_binds) else rs.cpu_bind))
+        return tuple(planned)
+
+
+@dataclass(frozen=True)
+class PlannedInstance:
+    """One server of a ClusterSpec (its role's RoleSpec holds the rest)."""
+
+    name: str  # its key in cluster.json: "prefill" (1P1D) or "prefill-0", ...
+    role: str  # "prefill" | "decode"
+    port: int  # 0: a free loopback port chosen at launch
+    cpu_bind: str | None  # VLLM_CPU_OMP_THREADS_BIND
 
 
 # --- building a spec from user input ---
@@ -184,10 +217,38 @@ def shared_store(configs: Mapping[str, object], store: Path | None, cdir: Path) 
     return next(iter(named.values()), cdir / "store")
 
 
-def default_cpu_binds() -> tuple[str, str]:
-    """One core for P, another for D (OMP threads of two servers must not share)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
-    return str(cores[0]), str(cores[1 % len(cores)])
+def available_cores() -> list[int]:
+    """The cores this process may run on, sorted."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+
+
+def spread_cpu_binds(count: int, cores: list[int] | None = None) -> list[str]:
+    """One core per server, round robin over `cores` (default: the available ones).
+
+    Servers share a core only when there are more servers than cores (OMP
+    threads of two servers on one core slow both).
+    """
+    cores = cores if cores else available_cores()
+    return [str(cores[i % len(cores)]) for i in range(count)]
+
+
+MAX_POOL = 64  # instances of one role: far beyond one host, low enough to catch a typo
+
+
+def check_pool_sizes(prefill: int, decode: int, runtime: str) -> None:
+    """Raises BadInput naming the field (`prefill`, `decode`) for a pool size below 1 or
+    too large, and for pools (more than one instance of a role) on the docker runtime."""
+    for n, role in ((prefill, "prefill"), (decode, "decode")):
+        if not 1 <= n <= MAX_POOL:
+            raise BadInput(f"the {role} pool needs 1 to {MAX_POOL} instances, got {n}", field=role,
+                           fix=f"give the number of {role} instances, e.g. 2")
+    sizes = {"prefill": prefill, "decode": decode}
+    pooled = tuple(role for role, n in sizes.items() if n > 1)
+    if runtime == "docker" and pooled:
+        listed = ", ".join(f"{role}={sizes[role]}" for role in pooled)
+        raise BadInput(f"the docker runtime starts one container per role; pools ({listed}) run on the "
+                       "local runtime only", field=pooled,
+                       fix="use the local runtime for pools, or one prefill and one decode on docker")
 
 
 def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: Path | None = None,
@@ -201,16 +262,24 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                     decode_env: Mapping[str, str] | None = None,
                     worker_cls: str | None = DEFAULT_WORKER_CLS,
                     docker: DockerOptions | None = None, router: bool = True,
-                    prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE) -> ClusterSpec:
+                    prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE,
+                    prefill_count: int = 1, decode_count: int = 1, pooled: bool = False) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
+
+    `prefill_count`/`decode_count` instances of each role (`pooled` names them
+    prefill-0, ...; build_pd_spec sets it): each role's instances share its
+    config (so all share the one store), args, env and engine; each gets its
+    own port (a given port is the first of consecutive ones) and core.
 
     Raises BadInput naming the field for: a bad name, a missing model dir, an
     invalid config, a port in use, equal ports, a non-positive timeout, docker
     options for another runtime, an unknown engine. Fields: `name`, `model`,
     `prefill_config`, `decode_config`, `prefill_port`, `decode_port`,
-    `timeout`, `runtime`, `prefill_engine`, `decode_engine`.
+    `timeout`, `runtime`, `prefill_engine`, `decode_engine`, `prefill`, `decode`
+    (pool sizes).
     """
     validate_cluster_name(name)
+    check_pool_sizes(prefill_count, decode_count, runtime)
     engines = {"prefill": check_engine(prefill_engine, "prefill_engine"),
                "decode": check_engine(decode_engine, "decode_engine")}
     if docker is not None and runtime != "docker":
@@ -230,19 +299,34 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         elif configs[role] is not None:
             validate_kv_config(configs[role], role, (prefill_env if role == "prefill" else decode_env) or {},
                                engines[role])
-    for port, port_field in ((prefill_port, "prefill_port"), (decode_port, "decode_port")):
-        if port:
+    p_ports = range(prefill_port, prefill_port + prefill_count) if prefill_port else range(0)
+    d_ports = range(decode_port, decode_port + decode_count) if decode_port else range(0)
+    for ports, port_field in ((p_ports, "prefill_port"), (d_ports, "decode_port")):
+        for port in ports:
             check_port_free(port, port_field)
-    if prefill_port and prefill_port == decode_port:
-        raise BadInput(f"prefill and decode cannot both use port {prefill_port}",
+    if set(p_ports) & set(d_ports):
+        raise BadInput(f"prefill and decode cannot both use port {min(set(p_ports) & set(d_ports))}",
                        field=("prefill_port", "decode_port"), fix="give them different ports")
-    p_bind, d_bind = default_cpu_binds()
+    binds = spread_cpu_binds(prefill_count + decode_count)  # 1P1D: one core for P, another for D
+    p_binds, d_binds = tuple(binds[:prefill_count]), tuple(binds[prefill_count:])
+    p_bind, d_bind = p_binds[0], d_binds[0]
     return ClusterSpec(
         name=name, runtime=runtime, model=model_dir,
         served_model_name=served_model_name or model_dir.name,
         dtype=model_dtype(model_dir), store=store_dir,
         prefill=RoleSpec(configs["prefill"], prefill_port, p_bind, tuple(prefill_args),
-                         dict(prefill_env or {}), engines["prefill"]),
+                         dict(prefill_env or {}), engines["prefill"], p_binds),
         decode=RoleSpec(configs["decode"], decode_port, d_bind, tuple(decode_args),
-                        dict(decode_env or {}), engines["decode"]),
-        worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router)
+                        dict(decode_env or {}), engines["decode"], d_binds),
+        worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router,
+        prefill_count=prefill_count, decode_count=decode_count, pooled=pooled)
+
+
+def build_pd_spec(*, prefill: int, decode: int, **options: object) -> ClusterSpec:
+    """An xPyD ClusterSpec: `prefill` instances named prefill-0, ..., `decode` named decode-0, ...
+
+    `options` are build_1p1d_spec's (each role's config, args, env and engine
+    go to every instance of that role). Raises BadInput as it does, and naming
+    `prefill`/`decode` for a bad pool size or pools on the docker runtime.
+    """
+    return build_1p1d_spec(prefill_count=prefill, decode_count=decode, pooled=True, **options)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""`kvctl launch 1p1d`, `kvctl status`, `kvctl logs`, `kvctl down`.
+"""`kvctl launch 1p1d`, `kvctl launch pd`, `kvctl status`, `kvctl logs`, `kvctl down`.
 
 Each command parses options, calls one function of kvctl.cluster.lifecycle, and renders
 the result (rich on stderr for people, one JSON object on stdout for --json).
@@ -6,14 +6,15 @@ the result (rich on stderr for people, one JSON object on stdout for --json).
 
 from __future__ import annotations
 
-from enum import Enum
+import functools
+import inspect
 from pathlib import Path
 
 import typer
 
 from kvctl.cluster import lifecycle
 from kvctl.cluster.parse import parse_env_items, parse_kv_config
-from kvctl.cluster.spec import DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, build_1p1d_spec
+from kvctl.cluster.spec import DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, build_1p1d_spec, build_pd_spec
 from kvctl.cluster.state import DEFAULT_NAME
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import json_option
@@ -33,11 +34,6 @@ from kvctl.views.rig import ensure_rig
 
 _ENGINE_HELP = ("vLLM engine of P and D: v0 (vLLM 0.9.2, the default) or v1 (vLLM 0.32: prefix caching "
                 "and chunked prefill on); each runs from its own rig (`kvctl rig install --engine v1`).")
-
-
-class Role(str, Enum):
-    prefill = "prefill"
-    decode = "decode"
 
 
 _NAME_HELP = "Cluster name (its state lives in $KVCTL_HOME/clusters/NAME)."
@@ -89,13 +85,27 @@ def launch_1p1d_cmd(
     --engine v1 starts vLLM V1 servers (default v0); --prefill-engine v0
     --decode-engine v1 is the migration path (V1 decodes serve V0 entries).
     """
+    _launch(**locals())
+
+
+def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: str | None,
+            prefill_config: str | None, decode_config: str | None, store: Path | None, timeout: float,
+            prefill_port: int, decode_port: int, prefill_arg: list[str], decode_arg: list[str],
+            prefill_env: list[str], decode_env: list[str], worker_cls: str, image: str | None,
+            gpus: str | None, bind: str | None, prefill_docker_host: str | None,
+            decode_docker_host: str | None, engine: str, prefill_engine: str | None,
+            decode_engine: str | None, router: bool, json_: bool,
+            pools: tuple[int, int] | None = None) -> None:
+    """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
     chosen, why = select_runtime(runtime)
     docker_given = any(v is not None for v in (image, gpus, bind, prefill_docker_host, decode_docker_host))
     docker = (docker_options(image=image, gpus=gpus, bind=bind, prefill_host=prefill_docker_host,
                              decode_host=decode_docker_host)
               if chosen == "docker" or docker_given else None)
-    spec = build_1p1d_spec(
+    build = (build_1p1d_spec if pools is None
+             else functools.partial(build_pd_spec, prefill=pools[0], decode=pools[1]))
+    spec = build(
         name=name, runtime=chosen, model=model, served_model_name=served_model_name,
         prefill_config=parse_kv_config(prefill_config, "prefill_config"),
         decode_config=parse_kv_config(decode_config, "decode_config"),
@@ -117,6 +127,28 @@ def launch_1p1d_cmd(
     render_launched(out, state)
 
 
+def launch_pd_cmd(prefill: int, decode: int, **options: object) -> None:
+    """Launch N prefill and M decode vLLM servers (xPyD) sharing one KV store, behind the router.
+
+    Instances are prefill-0, ..., decode-0, ...; the router balances each pool.
+    Every option of `launch 1p1d` applies (a role's config, args, env and
+    engine go to each of its instances; --prefill-port/--decode-port are the
+    first of consecutive ports). Pools run on the local runtime.
+    """
+    _launch(pools=(prefill, decode), **options)  # type: ignore[arg-type]
+
+
+# `launch pd` takes launch 1p1d's options plus the two pool sizes: one list of options, not two.
+launch_pd_cmd.__signature__ = inspect.signature(launch_1p1d_cmd).replace(parameters=[  # type: ignore[attr-defined]
+    inspect.Parameter("prefill", inspect.Parameter.KEYWORD_ONLY, annotation=int,
+                      default=typer.Option(..., "--prefill", min=1, help="How many prefill instances (N).")),
+    inspect.Parameter("decode", inspect.Parameter.KEYWORD_ONLY, annotation=int,
+                      default=typer.Option(..., "--decode", min=1, help="How many decode instances (M).")),
+    *(p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+      for p in inspect.signature(launch_1p1d_cmd).parameters.values())])
+launch_pd_cmd.__annotations__ = {**launch_1p1d_cmd.__annotations__, "prefill": "int", "decode": "int"}
+
+
 def status_cmd(
     name: str | None = typer.Option(None, "--name", help="One cluster (default: list all)."),
     json_: bool = json_option("Print JSON."),
@@ -133,19 +165,21 @@ def status_cmd(
 
 
 def logs_cmd(
-    role: Role = typer.Argument(..., help="prefill or decode."),
+    instance: str = typer.Argument(..., metavar="INSTANCE",
+                                   help="An instance: prefill or decode (1P1D), prefill-0, decode-1, ... "
+                                        "(pools; `kvctl status` lists them), or router."),
     name: str = typer.Option(DEFAULT_NAME, "--name", help=_NAME_HELP),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines while it runs."),
     tail: int | None = typer.Option(None, "--tail", "-n", min=0, help="Only the last K lines."),
 ) -> None:
     """Print a server's log (stdout)."""
-    inst = lifecycle.instance(name, role.value)
+    inst = lifecycle.instance(name, instance)
     try:
         render_log_lines(inst.logs(tail=tail, follow=follow), flush_each=follow)
     except KeyboardInterrupt:
         pass  # Ctrl-C is how --follow ends
     except FileNotFoundError:
-        raise BadInput(f"the {role.value} log is missing: {inst.log_path}", where=str(inst.log_path),
+        raise BadInput(f"the {instance} log is missing: {inst.log_path}", where=str(inst.log_path),
                        fix=f"relaunch the cluster (`kvctl down --name {name}` first)") from None
 
 
@@ -162,6 +196,7 @@ def down_cmd(
 def register(app: typer.Typer) -> None:
     launch_app = typer.Typer(help="Launch a cluster.", no_args_is_help=True)
     launch_app.command("1p1d")(launch_1p1d_cmd)
+    launch_app.command("pd")(launch_pd_cmd)
     app.add_typer(launch_app, name="launch")
     app.command("status")(status_cmd)
     app.command("logs")(logs_cmd)
