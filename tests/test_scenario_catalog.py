@@ -101,3 +101,27 @@ def test_list_view_says_no_and_what_is_missing():
     line = next(ln for ln in text.splitlines() if ln.startswith("fs-1p1d-gpu"))
     assert "no (missing GPUs, image kvctl-gpu:latest, $KVCTL_MODELS)" in line
     assert "yes" in next(ln for ln in text.splitlines() if ln.startswith("smoke-1p1d"))
+
+
+def test_shipped_v1_scenarios_validate_and_run_on_v1():
+    from kvctl.scenario.schema import check_scenario, load_scenario
+
+    for name, runtime in (("v1-fs-1p1d", "local"), ("v1-fs-1p1d-gpu", "docker")):
+        assert check_scenario(yaml.safe_load(shipped(name).read_text())) == []
+        s = load_scenario(name)
+        assert (s.name, s.engine, s.runtime) == (name, "v1", runtime)
+        assert all(s.role(r).engine is None for r in ("prefill", "decode"))  # both roles on v1
+    assert load_scenario("v1-fs-1p1d-gpu").image == images_v1_latest()
+    row = catalog.describe_scenario(shipped("v1-fs-1p1d-gpu"), FakeHost(env={"KVCTL_MODELS": "/m"}))
+    assert row["missing"] == ["image kvctl-gpu-v1:latest"]
+
+
+def test_validate_accepts_the_v1_scenario(kvctl):
+    r = kvctl("validate", "v1-fs-1p1d")
+    assert r.rc == 0, r
+
+
+def images_v1_latest() -> str:
+    from kvctl.provision.images import default_image
+
+    return default_image("gpu", "v1")

@@ -73,8 +73,7 @@ class Host:
                     client.images.get(ref)
                     self._images[ref] = None
                 except docker.errors.ImageNotFound:
-                    kind = "gpu" if ref.startswith("kvctl-gpu") else "cpu"
-                    self._images[ref] = f"{ref} is not on the docker engine (kvctl image build {kind} makes it)"
+                    self._images[ref] = f"{ref} is not on the docker engine (`kvctl image build` makes it)"
                 except docker.errors.APIError as e:
                     self._images[ref] = f"cannot look up {ref}: {e}"
         return self._images[ref]
