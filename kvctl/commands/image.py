@@ -39,7 +39,7 @@ def build(
     """Build the cpu or gpu image for this kvctl; prints its tag (use it with --image).
 
     cpu: a rig layer (vLLM, keyed by the rig's pins: minutes, once) and a thin layer with this
-    kvctl's connectors (seconds). Needs the docker extra: pip install 'kvctl[docker]'."""
+    kvctl's connectors (seconds). Needs the docker extra: pip install 'kvctl\\[docker]'."""
     out = Output(json_mode=json_)
     result = images.build_image(kind, base_image=base_image, progress=BuildReporter(out, verbose), engine=engine)
     render_image(out, result)
