@@ -37,7 +37,7 @@ def test_v1_base_is_the_official_image_of_the_v1_rigs_vllm():
 
 def test_v1_dockerfile_pins_lmcache_keeps_the_base_and_adds_the_overlay_last():
     text = dockerfile_v1()
-    pin = re.search(r"^ARG LMCACHE_VERSION=(\S+)$", text, re.M)
+    pin = re.search(r"^ARG LMCACHE_VERSION=(\S+)$", text, re.MULTILINE)
     assert pin and re.fullmatch(r"\d+\.\d+\.\d+", pin[1])  # an exact release, not a range
     assert '"lmcache==${LMCACHE_VERSION}"' in text and "-c /tmp/base-pins.txt" in text
     assert "patch-vllm-lmcache" not in text  # V1's LMCache connector needs no patch
@@ -106,7 +106,8 @@ class FakeClient:
         raise docker.errors.APIError(f"no registry for {ref}")
 
     def build(self, fileobj, tag, buildargs, **kw):
-        names = tarfile.open(fileobj=io.BytesIO(fileobj.read())).getnames()
+        with tarfile.open(fileobj=io.BytesIO(fileobj.read())) as tar:
+            names = tar.getnames()
         self.builds.append({"tag": tag, "buildargs": buildargs, "files": names, "labels": kw["labels"]})
         self.store[tag] = _Image(tag, self.store)
         return iter([{"stream": "Step 1/9 : ARG BASE_IMAGE\n"}, {"stream": "done\n"}])

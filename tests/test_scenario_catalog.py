@@ -24,7 +24,7 @@ from kvctl.views.scenario import render_scenario_list
 class FakeHost(catalog.Host):
     def __init__(self, *, gpus=True, engine=True, images=(), rigs=("v0", "v1"), env=None):
         super().__init__(env=env or {})
-        self.has = dict(gpus=gpus, engine=engine, images=set(images), rigs=set(rigs))
+        self.has = {"gpus": gpus, "engine": engine, "images": set(images), "rigs": set(rigs)}
 
     def gpus_missing(self):
         return None if self.has["gpus"] else "no nvidia-smi"
