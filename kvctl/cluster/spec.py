@@ -92,7 +92,7 @@ class ClusterSpec:
             rs, n = self.role(role), self.count(role)
             for i in range(n):
                 planned.append(PlannedInstance(
-                    name=f"{role}-{i}" if self.pooled else role, role=role,
+                    name=f"{role}-{i}" if self.pooled or n > 1 else role, role=role,
                     port=rs.port + i if rs.port else 0,
                     cpu_bind=rs.cpu_binds[i] if i < len(rs.cpu_binds) else rs.cpu_bind))
         return tuple(planned)

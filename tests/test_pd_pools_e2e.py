@@ -1,0 +1,123 @@
+"""A 2P2D cluster behind kvctl's router: `kvctl launch pd --prefill 2 --decode 2`.
+
+Four real vLLM V0 servers from the CPU rig, sharing one store, and the real
+router process launch starts in front of them. `status` lists the four
+instances with role and url; requests through the endpoint with the `openai`
+SDK all answer what P alone generates (the baseline); each P and each D
+served at least one of them (the router's `routed ... prefill=NAME
+decode=NAME` lines and its X-Kvctl-* headers agree), each D from the store;
+`logs NAME` reads one instance; `down` stops all five processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from conftest import Kvctl, group_alive, pid_alive
+
+from kvctl.router.route_log import parse_route_line
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
+
+LAUNCH_TIMEOUT_S = 900  # four servers on a small machine
+PROMPT = "Four servers, one store, one endpoint: where does this prompt's KV cache go?"
+NAMES = {"prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
+    """One 2P2D cluster for the module, launched by the CLI, holding the run-wide vLLM slot."""
+    home = tmp_path_factory.mktemp("pools-home")
+    kvctl = Kvctl(home)
+    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = kvctl("launch", "pd", "--prefill", "2", "--decode", "2", "--name", "pools",
+                  "--model", str(tiny_model), "--timeout", str(LAUNCH_TIMEOUT_S), "--json",
+                  timeout=LAUNCH_TIMEOUT_S + 120)
+        assert r.rc == 0, r
+        try:
+            yield kvctl, json.loads(r.stdout)
+        finally:
+            kvctl("down", "--name", "pools")
+
+
+def test_status_lists_each_instance_with_role_and_url(cluster):
+    kvctl, state = cluster
+    assert {n: i["role"] for n, i in state["instances"].items()} == NAMES
+    st = json.loads(kvctl("status", "--name", "pools", "--json").stdout)
+    assert {n: i["role"] for n, i in st["instances"].items()} == NAMES
+    urls = {i["url"] for i in st["instances"].values()}
+    assert len(urls) == 4 and all(u.startswith("http://127.0.0.1:") for u in urls)
+    assert all(i["healthy"] for i in st["instances"].values()) and st["endpoint_healthy"] is True
+    store = state["store"]
+    assert {i["kv_transfer_config"]["kv_connector_extra_config"]["fs_storage_path"]
+            for i in state["instances"].values()} == {store}  # one store for all four
+    routed = httpx.get(f"{state['endpoint']}/kvctl/instances").json()["instances"]
+    assert {i["name"]: i["role"] for i in routed} == NAMES
+
+
+def _skips(log: str) -> int:
+    return Path(log).read_text().count("skip model forwarding")
+
+
+def test_requests_through_the_endpoint_reach_every_instance_and_match_the_baseline(cluster):
+    kvctl, state = cluster
+    inst = state["instances"]
+    client = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key="unused", max_retries=0)
+    model = state["served_model_name"]
+    messages = [{"role": "user", "content": PROMPT}]
+    base = httpx.post(f"{inst['prefill-0']['url']}/v1/chat/completions", timeout=120, json={
+        "model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
+    }).json()["choices"][0]["message"]["content"]
+    assert base
+    skips = {n: _skips(inst[n]["log_path"]) for n in ("decode-0", "decode-1")}
+    router_log = Path(state["router"]["log_path"])
+    seen_lines = len(router_log.read_text().splitlines())
+
+    served: list[tuple[str, str, str]] = []
+    for _ in range(4):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=16, temperature=0)
+        assert raw.parse().choices[0].message.content == base
+        served.append((raw.headers["x-request-id"], raw.headers["x-kvctl-prefill"],
+                       raw.headers["x-kvctl-decode"]))
+    assert {p for _, p, _ in served} == {"prefill-0", "prefill-1"}, served
+    assert {d for _, _, d in served} == {"decode-0", "decode-1"}, served
+
+    records = [rec for line in router_log.read_text().splitlines()[seen_lines:]
+               if (rec := parse_route_line(line)) is not None]
+    by_id = {rec.id: rec for rec in records}
+    for request_id, p, d in served:  # the router's log names the same P and D for each request
+        assert (by_id[request_id].prefill, by_id[request_id].decode) == (p, d)
+    # every D served its requests from the store, and each request id is in its P's and D's log
+    assert sum(_skips(inst[n]["log_path"]) - skips[n] for n in skips) == 4
+    for request_id, p, d in served:
+        assert request_id in Path(inst[p]["log_path"]).read_text()
+        assert request_id in Path(inst[d]["log_path"]).read_text()
+
+
+def test_logs_reads_one_instance(cluster):
+    kvctl, state = cluster
+    rec = state["instances"]["decode-1"]
+    r = kvctl("logs", "decode-1", "--name", "pools")
+    assert r.rc == 0, r
+    lines = r.stdout.splitlines()
+    assert lines == Path(rec["log_path"]).read_text().splitlines()[:len(lines)]  # the log only grows
+    assert f"--port {rec['url'].rsplit(':', 1)[1]} " in lines[0]  # decode-1's own server
+    ambiguous = kvctl("logs", "prefill", "--name", "pools")
+    assert ambiguous.rc == 2 and "prefill-0, prefill-1" in ambiguous.stderr, ambiguous
+
+
+def test_down_stops_all_five_processes(cluster):
+    kvctl, state = cluster
+    d = kvctl("down", "--name", "pools", "--json")
+    assert d.rc == 0, d
+    assert {s["role"] for s in json.loads(d.stdout)["stopped"]} == {*NAMES, "router"}
+    assert not pid_alive(state["router"]["pid"])
+    for name, rec in state["instances"].items():
+        assert not group_alive(rec["pid"]), name
