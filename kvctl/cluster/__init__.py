@@ -1,11 +1,12 @@
 """Clusters: the spec (what to start), the state file (what runs), and the lifecycle.
 
-    spec.py       ClusterSpec and build_1p1d_spec: model, configs, ports, store, runtime
+    spec.py       ClusterSpec, build_1p1d_spec and build_pd_spec: model, configs, ports, store, runtime
                   options, validated, defaults filled in; starts nothing
     parse.py      values as people type them (a kv-transfer-config as JSON, @file,
                   none or default; KEY=VALUE lists), errors naming the field
     state.py      cluster.json: ClusterState, where it lives (cluster_dir), load/save
     lifecycle.py  launch, status and down over a runtime
+    router_process.py  the router launch starts beside the instances (one endpoint)
 
 May import: `kvctl.runtime`, `kvctl.provision`, `kvctl.subprocesses`, `connectors.config`,
 `kvctl.errors`, `kvctl.paths`. Never a command, a view, verify or scenario (they
