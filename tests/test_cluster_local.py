@@ -122,7 +122,7 @@ def test_launch_status_chat_logs_down(kvctl, kvctl_home, rig_python, tiny_model,
     assert d.rc == 0, d
     report = json.loads(d.stdout)
     assert report["found"] is True and report["removed"] == str(cdir)
-    assert sorted(s["role"] for s in report["stopped"]) == ["decode", "prefill"]
+    assert sorted(s["role"] for s in report["stopped"]) == ["decode", "prefill", "router"]
     assert all(s["was_running"] for s in report["stopped"])
     assert not cdir.exists()
     assert_nothing_left(kvctl_home, pids)

@@ -316,7 +316,7 @@ def test_docker_1p1d_verifies_and_down_leaves_nothing(kvctl, kvctl_home, main_en
         down = kvctl("down", "--json")
     assert down.rc == 0, down
     stopped = json.loads(down.stdout)["stopped"]
-    assert sorted(s["role"] for s in stopped) == ["decode", "prefill"]
+    assert sorted(s["role"] for s in stopped) == ["decode", "prefill", "router"]
     assert all(s["was_running"] for s in stopped)
     _assert_nothing_left(kvctl_home, main_engine)
     assert {v.name for v in main_engine.volumes.list()} <= volumes_before  # no anonymous volume

@@ -102,7 +102,7 @@ def v1_cluster(kvctl_v1, tiny_model) -> Iterator[dict]:
 
 def test_v1_launch_records_engine_and_v1_arguments(v1_cluster):
     for role, inst in v1_cluster["instances"].items():
-        assert inst["engine"] == "v1", inst
+        assert inst["vllm_engine"] == "v1", inst
         cmd = inst["command"]
         assert "--worker-cls" not in cmd and "--no-enable-prefix-caching" not in cmd, cmd
         assert "--disable-frontend-multiprocessing" not in cmd and "--no-enable-chunked-prefill" not in cmd
@@ -124,7 +124,7 @@ def v0_to_v1_cluster(kvctl_v1, v0_available, v1_cluster, tiny_model) -> Iterator
 
 
 def test_v0_prefill_v1_decode_verify_passes(kvctl_v1, v0_to_v1_cluster):
-    engines = {role: inst["engine"] for role, inst in v0_to_v1_cluster["instances"].items()}
+    engines = {role: inst["vllm_engine"] for role, inst in v0_to_v1_cluster["instances"].items()}
     assert engines == {"prefill": "v0", "decode": "v1"}
     assert "--worker-cls" in v0_to_v1_cluster["instances"]["prefill"]["command"]
     doc = _verify_passes(kvctl_v1, v0_to_v1_cluster["name"])

@@ -385,7 +385,7 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
                 state.instances[iname] = InstanceRecord(
                     role=ispec.role, url=inst.url, log_path=str(inst.log_path),
                     kv_transfer_config=ispec.kv_transfer_config, cwd=str(cdir),
-                    runtime_fields={**inst.record(), "engine": ispec.engine})
+                    runtime_fields={**inst.record(), "vllm_engine": ispec.engine})
                 save_cluster(state)  # at once: `kvctl down` must find it if we die
             _wait_healthy(spec, started, t0, progress)
             if spec.router:
