@@ -145,7 +145,7 @@ def test_crashing_server_fails_launch_with_log_tail(kvctl, kvctl_home, rig_pytho
     assert not (kvctl_home / "clusters" / "bad" / "cluster.json").exists()
     assert (kvctl_home / "clusters" / "bad" / "logs" / "prefill.log").is_file()  # kept for reading
     assert_nothing_left(kvctl_home)
-    assert json.loads(kvctl("status", "--json").stdout) == {"clusters": []}
+    assert json.loads(kvctl("status", "--json").stdout) == {"clusters": [], "damaged": []}
 
 
 @e2e
