@@ -35,7 +35,7 @@ REPEAT = 27  # ~715 tokens: ~740 KB per entry, five fit in 4 MiB
 MAX_PROMPTS = 14
 FAILED_PROMPTS_WANTED = 4  # keep sending until this many prompts could not be stored
 FAILED_LINE = "KV send FAILED"
-FAILURE_LOG_INTERVAL_S = 30.0  # FSConnector's burst window (connectors.v0.fs_connector)
+FAILURE_LOG_INTERVAL_S = 30.0  # FSConnector's burst window (connectors.logs)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 import vllm  # noqa: F401  (runs in the rig; a missing vLLM must fail, not skip)
 
 from connectors.config.validate import ConfigError
+from connectors.logs import SendFailureLog
 from connectors.store import format as fmt
 from connectors.store.fs_store import FSStore
 from connectors.v0.batch import split_prefills
@@ -57,7 +58,7 @@ def connector(tmp_path) -> FSConnector:
     c.hidden_size, c.hidden_dtype = HIDDEN, torch.float32
     (tmp_path / "store").mkdir()
     c._identity, c._layout = IDENT, FlashAttentionLayout(G)
-    c._last_failure, c._suppressed = ("", 0.0), 0
+    c._send_failures = SendFailureLog(logging.getLogger("vllm.kvctl.fs_connector"))
     return c
 
 

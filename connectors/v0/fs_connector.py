@@ -52,7 +52,7 @@ from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.kv_layout import (CacheGeometry, KVLayout, UnsupportedLayout, layout_for_backend,
                                      select_layout)
 from connectors.served_model import served_model_identity, unkeyable_input_problems
-from connectors.logs import get_logger
+from connectors.logs import SendFailureLog, get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.sequence import IntermediateTensors
@@ -65,7 +65,6 @@ logger = get_logger(__name__)
 SKIP_LINE = "[rank%d]: Successfully received all KVs and hidden states, skip model forwarding."
 REDO_LINE = "[rank%d]: Failed to receive all KVs and hidden states, redo model forwarding."
 SEND_LINE = "[rank%d]: KV send DONE."
-FAILURE_LOG_INTERVAL_S = 30.0  # a burst of identical send failures logs once per interval
 
 
 class FSConnector(KVConnectorBase):
@@ -113,8 +112,7 @@ class FSConnector(KVConnectorBase):
         self.tp_size = parallel.tensor_parallel_size
         self._identity: fmt.KVIdentity | None = None  # known once caches exist
         self._layout: KVLayout | None = None
-        self._last_failure: tuple[str, float] = ("", 0.0)  # error kind, when last logged
-        self._suppressed = 0
+        self._send_failures = SendFailureLog(logger)
         logger.info("FSConnector ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
                     "head_size=%d block_size=%d tp=%d/%d fsync=%s", kv_config.kv_role, self.root,
                     self.model_id, self.num_layers, self.geometry.kv_heads,
@@ -177,24 +175,12 @@ class FSConnector(KVConnectorBase):
                 gather_s = time.perf_counter() - start
                 result = self.store.save(identity, tokens, kv, hidden[span.end - 1:span.end])
             except (OSError, fmt.StoreError) as e:
-                self._send_failed(key, e)
+                self._send_failures.report(self.rank, key, e)
                 continue
             logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f", self.rank,
                         result.key, len(tokens), result.num_bytes, result.seconds * 1e3,
                         gather_s * 1e3)
 
-    def _send_failed(self, key: str, error: Exception) -> None:
-        """Log a failed publish once per burst of the same error (a full disk fails every request)."""
-        kind = f"{type(error).__name__}:{getattr(error, 'errno', '')}"
-        now = time.monotonic()
-        if kind != self._last_failure[0] or now - self._last_failure[1] > FAILURE_LOG_INTERVAL_S:
-            suppressed = self._suppressed
-            logger.error("[rank%d]: KV send FAILED for key=%s: %s (serving continues; nothing "
-                         "published)%s", self.rank, key, error,
-                         f"; {suppressed} similar failures not logged" if suppressed else "")
-            self._last_failure, self._suppressed = (kind, now), 0
-        else:
-            self._suppressed += 1
 
     # -- consumer --
 

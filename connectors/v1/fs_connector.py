@@ -64,7 +64,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
-from connectors.logs import get_logger
+from connectors.logs import SendFailureLog, get_logger
 from connectors.store import format as fmt
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.store.model_identity import ModelIdentityError
@@ -93,7 +93,6 @@ SEND_LINE = "[rank%d]: KV send DONE."
 LOAD_LINE = "[rank%d]: KV load DONE."
 NO_LOAD_LINE = "[rank%d]: KV load NONE."
 LOAD_FAILED_LINE = "[rank%d]: KV load FAILED."
-FAILURE_LOG_INTERVAL_S = 30.0  # a burst of identical send failures logs once per interval
 
 
 @dataclass
@@ -154,8 +153,7 @@ class FSConnector(KVConnectorBase_V1):
         self._layers: list[tuple[str, torch.Tensor]] = []
         self._layout = None
         self._load_errors: set[int] = set()
-        self._last_failure: tuple[str, float] = ("", 0.0)
-        self._suppressed = 0
+        self._send_failures = SendFailureLog(logger)
         if role == KVConnectorRole.SCHEDULER:
             logger.info("FSConnector (V1) ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
                         "head_size=%d dtype=%s block_size=%d tp_size=%d fsync=%s", kv_config.kv_role,
@@ -366,23 +364,11 @@ class FSConnector(KVConnectorBase_V1):
             hidden = torch.empty((1, 0), dtype=self.model_dtype)  # KV only (connectors.v1.transfer)
             result = self.store.save(identity, tokens, kv, hidden)
         except (OSError, fmt.StoreError, ValueError) as e:
-            self._send_failed(key, e)
+            self._send_failures.report(self.tp_rank, key, e)
             return
         logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f", self.tp_rank,
                     result.key, len(tokens), result.num_bytes, result.seconds * 1e3, gather_s * 1e3)
 
-    def _send_failed(self, key: str, error: Exception) -> None:
-        """Log a failed publish once per burst of the same error (a full disk fails every request)."""
-        kind = f"{type(error).__name__}:{getattr(error, 'errno', '')}"
-        now = time.monotonic()
-        if kind != self._last_failure[0] or now - self._last_failure[1] > FAILURE_LOG_INTERVAL_S:
-            suppressed = self._suppressed
-            logger.error("[rank%d]: KV send FAILED for key=%s: %s (serving continues; nothing "
-                         "published)%s", self.tp_rank, key, error,
-                         f"; {suppressed} similar failures not logged" if suppressed else "")
-            self._last_failure, self._suppressed = (kind, now), 0
-        else:
-            self._suppressed += 1
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._load_errors = self._load_errors, set()
