@@ -4,8 +4,8 @@
   each with its role's config, so all of them share the one store.
 - Each gets its own port, log and core (round robin over the available cores;
   1P1D still binds P to the first core and D to the second).
-- Bad pool sizes, and pools on the docker runtime, are refused before anything
-  starts, naming the flag.
+- Bad pool sizes are refused before anything starts, naming the flag (pools
+  on the docker runtime: tests/test_docker_pools.py).
 - `kvctl logs` takes an instance name; a role names its only instance.
 """
 
@@ -98,15 +98,6 @@ def test_bad_pool_sizes_are_refused_naming_the_field(kvctl_home, model_dir, size
     with pytest.raises(BadInput) as e:
         build_pd_spec(prefill=sizes[0], decode=sizes[1], name="bad", model=model_dir)
     assert e.value.fields == (field,)
-
-
-def test_pools_on_docker_are_refused_naming_the_pool(kvctl, kvctl_home, model_dir):
-    r = kvctl("launch", "pd", "--prefill", "1", "--decode", "2", "--runtime", "docker",
-              "--name", "dk", "--model", str(model_dir), "--json")
-    assert r.rc == 2, r
-    err = json.loads(r.stdout)
-    assert err["where"] == "--decode" and "docker" in err["error"] and "decode=2" in err["error"]
-    assert not (kvctl_home / "clusters" / "dk").exists()
 
 
 def test_launch_pd_needs_both_pool_sizes(kvctl, model_dir):

@@ -1,9 +1,11 @@
 """Cluster lifecycle: launch a 1P1D or xPyD cluster, report its status, tear it down.
 
 `launch_1p1d` starts every instance of the spec (P and D, or the prefill-0,
-..., decode-0, ... pools of `kvctl launch pd`), records them in cluster.json as soon as each
-process exists (so a `kvctl down` can always find them, even if the launching
-kvctl is killed), then waits for both `/health` endpoints while watching for
+..., decode-0, ... pools of `kvctl launch pd`; processes or containers, per the
+runtime), writes cluster.json before the first one and records each as soon as
+it exists (so a `kvctl down` can always find them, even if the launching
+kvctl is killed; on docker it also removes containers made but not yet
+recorded, by their labels), then waits for both `/health` endpoints while watching for
 process death. Any failure, Ctrl-C, SIGTERM or SIGHUP stops everything it
 started and removes the state (the logs stay, for reading) before the error
 propagates. `running_cluster` wraps launch and `down` for callers that must
@@ -241,6 +243,7 @@ def _ensure_name_free(name: str) -> None:
                        fix=f"tear cluster {name!r} down first (`kvctl down`), or launch under another name")
     log.info("cluster %r has state but no running server; cleaning it up (store kept)", name)
     _stop_all(instances)  # stray children of a dead leader
+    _remove_leftovers(state)
     remove_state(name)
 
 
@@ -278,7 +281,7 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
             kv_transfer_config=rs.kv_transfer_config,
             worker_cls=spec.worker_cls if rs.engine == "v0" else None,  # V1 has no --worker-cls hooks
             block_size=spec.block_size if rs.engine == "v0" else None, max_model_len=spec.max_model_len,
-            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=rs.env)
+            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=rs.env, name=p.name)
     return specs
 
 
@@ -374,6 +377,7 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             state = ClusterState(name=spec.name, runtime=spec.runtime, model=str(spec.model),
                                  served_model_name=spec.served_model_name,
                                  store=str(spec.store), created=utc_now())
+            save_cluster(state)  # before any server: `kvctl down` finds the runtime's leftovers
             ispecs = instance_specs(spec)
             check_instance = getattr(runtime, "check_instance", None)  # local: each engine's rig
             if check_instance is not None:
@@ -539,6 +543,7 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             if state.router is not None:
                 instances["router"] = router_instance(state.router)
             report.stopped = _stop_all(instances, grace_s)
+            _remove_leftovers(state)
         remove_state(name)
     keep = keep_store and store is not None and store.is_dir() and store.is_relative_to(cdir)
     if keep:
@@ -552,6 +557,16 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             report.kept_store = str(store)  # outside the cluster dir: never ours to remove
     report.removed = str(cdir)
     return report
+
+
+def _remove_leftovers(state: ClusterState) -> None:
+    """What the runtime made for this cluster but never recorded (docker: a container created
+    just before the launching kvctl was killed), found by the runtime's own marks."""
+    leftovers = getattr(get_runtime(state.runtime), "remove_leftovers", None)
+    if leftovers is not None:
+        removed = leftovers(state.name, [r.runtime_fields for r in state.instances.values()])
+        if removed:
+            log.warning("removed unrecorded leftovers of cluster %r: %s", state.name, ", ".join(removed))
 
 
 def _stop_strays(cdir: Path, grace_s: float) -> list[StopResult]:

@@ -6,6 +6,14 @@ with every prefill and decode instance named as in cluster.json, and waits
 for its /health (200 only once a P and a D answer). The returned record goes
 into cluster.json under "router"; `router_instance` turns it back into an
 Instance (status, logs, stop) through the local runtime, as for a server.
+A Ctrl-C while it waits stops the router before it propagates.
+
+The router is a local process for every runtime, docker included: it reaches
+containers through the ports they publish (on 127.0.0.1 by default, or the
+docker `bind` address), which needs no docker network, works across two
+engines, and keeps one way to start, log and stop it. (Running it as a
+container would only move this process into the image; kvctl.runtime.docker
+says why that buys nothing here.)
 """
 
 from __future__ import annotations
@@ -50,16 +58,20 @@ def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int
     record = {"url": url, "pid": proc.pid, "start_ticks": process_start_ticks(proc.pid),
               "command": argv, "log_path": str(log_path)}
     deadline = time.monotonic() + ROUTER_READY_S
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                break
-            try:
-                if client.get(f"{url}/health").status_code == 200:
-                    return record
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+    try:
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    break
+                try:
+                    if client.get(f"{url}/health").status_code == 200:
+                        return record
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+    except BaseException:  # Ctrl-C while waiting: the caller has no record of it yet
+        router_instance(record).stop(5.0)
+        raise
     router_instance(record).stop(5.0)
     proc.wait(timeout=10)
     tail = "\n".join(read_log_tail(log_path, TAIL_LINES))

@@ -25,7 +25,7 @@ from kvctl.cluster.state import DEFAULT_NAME, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, ENGINES, MAX_MODEL_LEN
-from kvctl.runtime.docker_options import DockerOptions
+from kvctl.runtime.docker_options import DockerOptions, gpu_lists
 
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
 DEFAULT_WORKER_CLS = "connectors.v0.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
@@ -88,14 +88,21 @@ class ClusterSpec:
     def instances(self) -> tuple[PlannedInstance, ...]:
         """Every server to start, prefills first: its name, role, port and CPU bind."""
         planned = []
+        names = iter(instance_names(self.prefill_count, self.decode_count, self.pooled))
         for role in ("prefill", "decode"):
             rs, n = self.role(role), self.count(role)
             for i in range(n):
                 planned.append(PlannedInstance(
-                    name=f"{role}-{i}" if self.pooled or n > 1 else role, role=role,
-                    port=rs.port + i if rs.port else 0,
+                    name=next(names), role=role, port=rs.port + i if rs.port else 0,
                     cpu_bind=rs.cpu_binds[i] if i < len(rs.cpu_binds) else rs.cpu_bind))
         return tuple(planned)
+
+
+def instance_names(prefill: int, decode: int, pooled: bool) -> tuple[str, ...]:
+    """The instances' names, prefills first: `prefill`, `decode` for 1P1D (not `pooled`),
+    else (or for a role with several) prefill-0, ..., decode-0, ..."""
+    return tuple(f"{role}-{i}" if pooled or n > 1 else role
+                 for role, n in (("prefill", prefill), ("decode", decode)) for i in range(n))
 
 
 @dataclass(frozen=True)
@@ -235,20 +242,12 @@ def spread_cpu_binds(count: int, cores: list[int] | None = None) -> list[str]:
 MAX_POOL = 64  # instances of one role: far beyond one host, low enough to catch a typo
 
 
-def check_pool_sizes(prefill: int, decode: int, runtime: str) -> None:
-    """Raises BadInput naming the field (`prefill`, `decode`) for a pool size below 1 or
-    too large, and for pools (more than one instance of a role) on the docker runtime."""
+def check_pool_sizes(prefill: int, decode: int) -> None:
+    """Raises BadInput naming the field (`prefill`, `decode`) for a pool size below 1 or too large."""
     for n, role in ((prefill, "prefill"), (decode, "decode")):
         if not 1 <= n <= MAX_POOL:
             raise BadInput(f"the {role} pool needs 1 to {MAX_POOL} instances, got {n}", field=role,
                            fix=f"give the number of {role} instances, e.g. 2")
-    sizes = {"prefill": prefill, "decode": decode}
-    pooled = tuple(role for role, n in sizes.items() if n > 1)
-    if runtime == "docker" and pooled:
-        listed = ", ".join(f"{role}={sizes[role]}" for role in pooled)
-        raise BadInput(f"the docker runtime starts one container per role; pools ({listed}) run on the "
-                       "local runtime only", field=pooled,
-                       fix="use the local runtime for pools, or one prefill and one decode on docker")
 
 
 def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: Path | None = None,
@@ -271,21 +270,26 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     config (so all share the one store), args, env and engine; each gets its
     own port (a given port is the first of consecutive ones) and core.
 
+    On the docker runtime every instance is a container (pools included);
+    `docker.gpus` must give each instance its device list (docker_options.gpu_lists).
+
     Raises BadInput naming the field for: a bad name, a missing model dir, an
     invalid config, a port in use, equal ports, a non-positive timeout, docker
-    options for another runtime, an unknown engine. Fields: `name`, `model`,
-    `prefill_config`, `decode_config`, `prefill_port`, `decode_port`,
-    `timeout`, `runtime`, `prefill_engine`, `decode_engine`, `prefill`, `decode`
-    (pool sizes).
+    options for another runtime, an unknown engine, GPU lists that do not
+    match the instances. Fields: `name`, `model`, `prefill_config`,
+    `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`,
+    `prefill_engine`, `decode_engine`, `prefill`, `decode` (pool sizes), `gpus`.
     """
     validate_cluster_name(name)
-    check_pool_sizes(prefill_count, decode_count, runtime)
+    check_pool_sizes(prefill_count, decode_count)
     engines = {"prefill": check_engine(prefill_engine, "prefill_engine"),
                "decode": check_engine(decode_engine, "decode_engine")}
     if docker is not None and runtime != "docker":
         raise BadInput(f"the image, gpus, bind address and docker hosts need the docker runtime, "
                        f"not {runtime}", field="runtime",
                        fix="choose the docker runtime, or drop the docker options")
+    if docker is not None and docker.gpus:  # one device list per instance, by name or in order
+        gpu_lists(docker.gpus, instance_names(prefill_count, decode_count, pooled))
     if timeout_s <= 0:
         raise BadInput(f"timeout must be positive, got {timeout_s}", field="timeout",
                        fix="pass seconds, e.g. 300")
@@ -326,7 +330,9 @@ def build_pd_spec(*, prefill: int, decode: int, **options: object) -> ClusterSpe
     """An xPyD ClusterSpec: `prefill` instances named prefill-0, ..., `decode` named decode-0, ...
 
     `options` are build_1p1d_spec's (each role's config, args, env and engine
-    go to every instance of that role). Raises BadInput as it does, and naming
-    `prefill`/`decode` for a bad pool size or pools on the docker runtime.
+    go to every instance of that role), `runtime` included: on docker each
+    instance is a container with its own GPU list (`docker.gpus`: one per
+    instance, in this order or by name). Raises BadInput as it does, and
+    naming `prefill`/`decode` for a bad pool size.
     """
     return build_1p1d_spec(prefill_count=prefill, decode_count=decode, pooled=True, **options)  # type: ignore[arg-type]

@@ -62,9 +62,10 @@ def launch_1p1d_cmd(
     image: str | None = typer.Option(
         None, "--image",
         help="docker: the image (default: this checkout's cpu image; with --gpus, kvctl-gpu:latest)."),
-    gpus: str | None = typer.Option(
-        None, "--gpus", help="docker: GPUs of P and D as P,D, e.g. 0,1 (several: 0+1,2+3). "
-                             "Default 0,1 on a GPU image, none on the cpu image."),
+    gpus: list[str] = typer.Option(
+        [], "--gpus", metavar="GPUS", help="docker: each instance's GPUs, in order (P,D for 1p1d: 0,1; several per "
+                           "instance: 0+1,2+3) or by name (prefill-0=0,prefill-1=1,decode-0=2+3); "
+                           "repeatable. Default on a GPU image: instance i gets GPU i; none on the cpu image."),
     bind: str | None = typer.Option(
         None, "--bind", help="docker: host address ports are published on (default 127.0.0.1)."),
     prefill_docker_host: str | None = typer.Option(
@@ -92,15 +93,16 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             prefill_config: str | None, decode_config: str | None, store: Path | None, timeout: float,
             prefill_port: int, decode_port: int, prefill_arg: list[str], decode_arg: list[str],
             prefill_env: list[str], decode_env: list[str], worker_cls: str, image: str | None,
-            gpus: str | None, bind: str | None, prefill_docker_host: str | None,
+            gpus: list[str], bind: str | None, prefill_docker_host: str | None,
             decode_docker_host: str | None, engine: str, prefill_engine: str | None,
             decode_engine: str | None, router: bool, json_: bool,
             pools: tuple[int, int] | None = None) -> None:
     """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
     chosen, why = select_runtime(runtime)
-    docker_given = any(v is not None for v in (image, gpus, bind, prefill_docker_host, decode_docker_host))
-    docker = (docker_options(image=image, gpus=gpus, bind=bind, prefill_host=prefill_docker_host,
+    docker_given = bool(gpus) or any(v is not None for v in (image, bind, prefill_docker_host,
+                                                             decode_docker_host))
+    docker = (docker_options(image=image, gpus=gpus or None, bind=bind, prefill_host=prefill_docker_host,
                              decode_host=decode_docker_host)
               if chosen == "docker" or docker_given else None)
     build = (build_1p1d_spec if pools is None
@@ -133,7 +135,9 @@ def launch_pd_cmd(prefill: int, decode: int, **options: object) -> None:
     Instances are prefill-0, ..., decode-0, ...; the router balances each pool.
     Every option of `launch 1p1d` applies (a role's config, args, env and
     engine go to each of its instances; --prefill-port/--decode-port are the
-    first of consecutive ports). Pools run on the local runtime.
+    first of consecutive ports). With --runtime docker each instance is a
+    container with its own GPU list (--gpus prefill-0=0,decode-0=1, or one
+    list per instance in order).
     """
     _launch(pools=(prefill, decode), **options)  # type: ignore[arg-type]
 

@@ -64,6 +64,12 @@ class InstanceSpec:
     cpu_bind: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0"
     extra_args: tuple[str, ...] = ()  # appended verbatim to the vLLM command line
     env: Mapping[str, str] = field(default_factory=dict)  # overrides ours
+    name: str = ""  # the instance's name in its cluster (prefill-0, ...); "": its role
+
+    @property
+    def instance(self) -> str:
+        """The instance's name: `name`, or its role for an unnamed one (1P1D, tests)."""
+        return self.name or self.role
 
 
 def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:

@@ -1,8 +1,10 @@
 """DockerRuntime: each vLLM server in its own container, on one or two Docker engines.
 
-One container per role, made through the docker SDK (create → start), with
-- labels `kvctl.cluster.spec`, `kvctl.role` and `kvctl.home` (our $KVCTL_HOME), by
-  which teardown finds leftovers, and a name unique per cluster dir;
+One container per instance (P and D of 1P1D, or every prefill-i and decode-j
+of an xPyD pool), made through the docker SDK (create → start), with
+- labels `kvctl.cluster.spec`, `kvctl.role`, `kvctl.instance` and `kvctl.home`
+  (our $KVCTL_HOME), by which teardown finds leftovers, and a name unique per
+  cluster dir and instance (`kvctl-CLUSTER-INSTANCE-DIGEST`);
 - the same server command as the local runtime (base.vllm_server_args and
   vllm_server_env), run by the image's python (its `kvctl.python` label), with
   the image's entrypoint reset and docker's init as PID 1 (SIGTERM reaches
@@ -15,7 +17,10 @@ One container per role, made through the docker SDK (create → start), with
 - the server's port published on `bind` (127.0.0.1 by default), same number
   inside and out; ipc=host, as vLLM's own docs run it;
 - on a GPU image (label `kvctl.device=gpu`) or with explicit `gpus`, one
-  DeviceRequest per role: the container sees NVIDIA_VISIBLE_DEVICES = its GPU.
+  DeviceRequest per instance, with that instance's own device list
+  (docker_options.gpu_lists; on a GPU image without a list, instance i gets
+  device i): the container sees NVIDIA_VISIBLE_DEVICES = its GPUs. The cpu
+  image with no list gets no device request at all (the CPU rig has no GPU).
 
 Logs: a follower process (kvctl.runtime.log_follower), started detached after
 the container, appends its output to the instance's log file. It ends when
@@ -23,10 +28,17 @@ the container stops; `status()` of a stopped container waits briefly for it,
 so a start-up failure's log tail is complete.
 
 Engines (kvctl.runtime.docker_engine) are DOCKER_HOST-style URLs, one per
-role; the options (kvctl.runtime.docker_options) are validated before anything
+role (every instance of a pool runs on its role's engine); the options (kvctl.runtime.docker_options) are validated before anything
 starts. On a remote engine the model and store must exist at the same paths
 (NFS for a store shared by two hosts), and ports must be published on a
 non-loopback address (`bind`).
+
+The router in front of a docker cluster is not a container: it runs as a local
+process (kvctl.cluster.router_process) talking to the ports the containers
+publish, exactly as for local servers. That needs no docker network, works
+unchanged when P and D run on two engines (a router container would have to
+live on one of them and reach the other over the host network anyway), and
+keeps one router code path, log and stop for both runtimes.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +71,7 @@ from kvctl.runtime.base import (
     vllm_server_env,
 )
 from kvctl.runtime.docker_engine import connect, daemon_error, engine_hostname
-from kvctl.runtime.docker_options import DEFAULT_GPUS, DockerOptions
+from kvctl.runtime.docker_options import DockerOptions, default_gpu_lists, gpu_lists
 from kvctl.runtime.log_follower import spawn_follower
 from kvctl.runtime.processes import group_members, process_start_ticks
 from kvctl.subprocesses import TAIL_LINES
@@ -70,15 +82,16 @@ log = logging.getLogger(__name__)
 FOLLOWER_DRAIN_S = 5.0  # after a container stops: wait this long for its log follower
 CPU_WORKER_PREFIX = "connectors.v0.cpu_worker."  # CPU-only worker classes (dropped on GPU images)
 LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME = "kvctl.cluster.spec", "kvctl.role", "kvctl.home"
+LABEL_INSTANCE = "kvctl.instance"  # prefill, decode (1P1D) or prefill-0, decode-1, ... (pools)
 # -------------------------------------------------------------------------------------
 
 
 # ---- containers -------------------------------------------------------------------
 
-def container_name(cluster: str, role: str, cluster_dir: Path) -> str:
-    """Unique per cluster dir: two KVCTL_HOMEs may both have a cluster `default`."""
+def container_name(cluster: str, instance: str, cluster_dir: Path) -> str:
+    """Unique per cluster dir and instance: two KVCTL_HOMEs may both have a cluster `default`."""
     digest = hashlib.sha256(str(cluster_dir).encode()).hexdigest()[:8]
-    return f"kvctl-{cluster}-{role}-{digest}"
+    return f"kvctl-{cluster}-{instance}-{digest}"
 
 
 def _url_host(engine: str, bind: str) -> str:
@@ -110,7 +123,7 @@ class DockerInstance:
                  name: str, image: str, follower_pid: int | None = None,
                  follower_ticks: int | None = None, command: list[str] | None = None,
                  labels: Mapping[str, str] | None = None,
-                 follower: subprocess.Popen | None = None):
+                 follower: subprocess.Popen | None = None, gpus: list[str] | None = None):
         self.role = role
         self.url = url
         self.log_path = log_path
@@ -121,7 +134,8 @@ class DockerInstance:
         self.follower_pid = follower_pid
         self.follower_ticks = follower_ticks
         self.command = command or []
-        self.labels = dict(labels or {})  # ours: cluster, role, home
+        self.labels = dict(labels or {})  # ours: cluster, role, instance, home
+        self.gpus = list(gpus) if gpus else None  # its device ids; None: no device request
         self._follower = follower  # set only in the process that started it
         self._client: Any = None
 
@@ -218,8 +232,8 @@ class DockerInstance:
                                      f"container {self.name}",
                                      fix=f"remove it by hand: docker rm -f {self.name}") from None
         self._end_follower()
-        if len(self.labels) == 3:  # also any twin a failed or interrupted launch left behind
-            _remove_labelled(self.client(), self.labels)
+        if {LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME} <= self.labels.keys():
+            _remove_labelled(self.client(), self.labels)  # a twin a failed launch left behind
         return StopResult(self.role, was_running, used, time.monotonic() - t0)
 
     def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
@@ -230,7 +244,7 @@ class DockerInstance:
                 "engine": self.engine, "image": self.image,
                 "log_follower_pid": self.follower_pid,
                 "log_follower_start_ticks": self.follower_ticks, "command": self.command,
-                "labels": self.labels}
+                "labels": self.labels, "gpus": self.gpus}
 
 
 def _remove_labelled(client: Any, labels: Mapping[str, str]) -> list[str]:
@@ -255,16 +269,21 @@ class DockerRuntime:
 
     name = "docker"
 
-    def __init__(self, options: DockerOptions | None = None, store: Path | None = None):
+    def __init__(self, options: DockerOptions | None = None, store: Path | None = None,
+                 names: tuple[str, ...] = ROLES, engines: Mapping[str, str] | None = None):
         self.options = options or DockerOptions()
+        self.engines = dict(engines or {})  # role -> vLLM engine (v0 when absent): picks the default image
         self.store = store
+        self.names = names  # the cluster's instances in order: GPU lists are matched to them
         self._clients: dict[str, Any] = {}
         self._images: dict[str, tuple[str, dict[str, str]]] = {}  # role -> (ref, labels)
 
     @classmethod
     def for_cluster(cls, spec: Any) -> DockerRuntime:
-        """The runtime for a ClusterSpec: its docker options and its store."""
-        return cls(getattr(spec, "docker", None), getattr(spec, "store", None))
+        """The runtime for a ClusterSpec: its docker options, its store and its instances."""
+        names = tuple(p.name for p in spec.instances()) if hasattr(spec, "instances") else ROLES
+        engines = {r: getattr(getattr(spec, r, None), "engine", None) or "v0" for r in ROLES}
+        return cls(getattr(spec, "docker", None), getattr(spec, "store", None), names, engines)
 
     def client(self, role: str) -> Any:
         url = self.options.host(role)
@@ -272,11 +291,13 @@ class DockerRuntime:
             self._clients[url] = connect(url)
         return self._clients[url]
 
-    def image_ref(self) -> str:
+    def image_ref(self, role: str = "prefill") -> str:
+        """The image of `role`: the options' image, else the default for its engine (images.default_image)."""
         if self.options.image:
             return self.options.image
+        engine = self.engines.get(role, "v0")
         try:
-            return images.default_image("gpu" if self.options.gpus else "cpu")
+            return images.default_image("gpu" if self.options.gpus or engine != "v0" else "cpu", engine)
         except BadInput as e:
             raise BadInput(f"no default image: {e.what}", field="image",
                            fix="name the image (a tag `kvctl image build` printed)") from None
@@ -286,38 +307,43 @@ class DockerRuntime:
         if role not in self._images:
             import docker.errors
 
-            ref = self.image_ref()
+            ref = self.image_ref(role)
             try:
                 img = self.client(role).images.get(ref)
             except docker.errors.ImageNotFound:
                 kind = "gpu" if ref.startswith("kvctl-gpu") or self.options.gpus else "cpu"
                 raise BadInput(f"image {ref} is not on the engine at {self.options.host(role)}",
                                field="image",
-                               fix=f"build it with `kvctl image build {kind}` (on that engine: "
+                               fix=f"build it with `kvctl image build {kind}`"
+                                   + (f" for engine {self.engines[role]}" if self.engines.get(role, "v0") != "v0"
+                                      else "") + " (on that engine: "
                                    f"DOCKER_HOST={self.options.host(role)}), or choose an image "
                                    "that engine has") from None
             self._images[role] = (ref, dict(img.labels or {}))
         return self._images[role]
 
-    def gpus(self, role: str) -> list[str] | None:
-        """Device ids for `role`: the options' gpus, else DEFAULT_GPUS on a GPU image, else none."""
-        _, labels = self._image(role)
-        pair = self.options.gpus or (DEFAULT_GPUS if labels.get("kvctl.device") == "gpu" else None)
-        if pair is None:
-            return None
-        return pair[ROLES.index(role)].split("+")
+    def gpus(self, spec: InstanceSpec, image_labels: Mapping[str, str]) -> list[str] | None:
+        """Device ids of instance `spec`: its list in the options' gpus, else (on a GPU image)
+        default_gpu_lists, else None (the cpu image: no device request)."""
+        if self.options.gpus:
+            return gpu_lists(self.options.gpus, self.names)[spec.instance]
+        if image_labels.get("kvctl.device") == "gpu":
+            return default_gpu_lists(self.names).get(spec.instance, ["0"])
+        return None
 
     def check(self) -> None:
         """Each role's engine answers and has the image. Raises BadInput."""
         for role in ROLES:
             self._image(role)
 
-    def command(self, spec: InstanceSpec) -> tuple[list[str], dict[str, str]]:
-        """The container's argv and environment: the local runtime's, in the image's python."""
-        _, labels = self._image(spec.role)
+    def command(self, spec: InstanceSpec,
+                image_labels: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+        """The container's argv and environment: the local runtime's, in the image's python
+        (`image_labels`: the image's labels; None: asks the role's engine)."""
+        labels = image_labels if image_labels is not None else self._image(spec.role)[1]
         if labels.get("kvctl.device") == "gpu" and (spec.worker_cls or "").startswith(CPU_WORKER_PREFIX):
             # The GPU model runner has the V0 KV hooks itself; the CPU worker would break it.
-            log.info("%s: %s is a CPU worker; the GPU image uses vLLM's own", spec.role, spec.worker_cls)
+            log.info("%s: %s is a CPU worker; the GPU image uses vLLM's own", spec.instance, spec.worker_cls)
             spec = dataclasses.replace(spec, worker_cls=None)
         python = labels.get("kvctl.python", "python3")
         argv = [python, "-m", ENTRYPOINT_MODULE,
@@ -340,6 +366,25 @@ class DockerRuntime:
             mounts.append(Mount(target=str(path), source=str(path), type="bind"))
         return mounts
 
+    def container_config(self, spec: InstanceSpec, ref: str,
+                         image_labels: Mapping[str, str]) -> dict[str, Any]:
+        """The docker SDK's `containers.create` arguments for instance `spec` on image `ref`
+        (whose labels are `image_labels`): name, labels, command, environment, mounts,
+        published port and device requests. Touches no engine (it creates the store dirs)."""
+        from docker.types import DeviceRequest
+
+        argv, env = self.command(spec, image_labels)
+        gpus = self.gpus(spec, image_labels)
+        return {"image": ref, "command": argv, "entrypoint": [],
+                "name": container_name(spec.cluster, spec.instance, spec.cwd),
+                "labels": {LABEL_CLUSTER: spec.cluster, LABEL_ROLE: spec.role,
+                           LABEL_INSTANCE: spec.instance, LABEL_HOME: str(kvctl_home().absolute())},
+                "environment": env, "mounts": self._mounts(spec), "working_dir": str(spec.cwd),
+                "ports": {f"{spec.port}/tcp": (self.options.bind, spec.port)},
+                "ipc_mode": "host", "init": True, "detach": True,
+                "device_requests": ([DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])]
+                                    if gpus else None)}
+
     def start(self, spec: InstanceSpec) -> DockerInstance:
         """Create and start the container; returns at once (health is the caller's wait).
 
@@ -349,29 +394,21 @@ class DockerRuntime:
         the container's log tail. A container it made is removed on any failure.
         """
         import docker.errors
-        from docker.types import DeviceRequest
 
         client = self.client(spec.role)
         engine = self.options.host(spec.role)
-        ref, _ = self._image(spec.role)
-        argv, env = self.command(spec)
-        name = container_name(spec.cluster, spec.role, spec.cwd)
-        labels = {LABEL_CLUSTER: spec.cluster, LABEL_ROLE: spec.role,
-                  LABEL_HOME: str(kvctl_home().absolute())}
-        gpus = self.gpus(spec.role)
-        devices = [DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])] if gpus else None
+        ref, image_labels = self._image(spec.role)
+        config = self.container_config(spec, ref, image_labels)
+        name, argv, labels = config["name"], config["command"], config["labels"]
+        gpus = self.gpus(spec, image_labels)
         _remove_stopped_namesake(client, name)
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as f:  # one header line, as the local runtime writes
-            f.write(f"kvctl: starting {spec.role} container {name} ({ref} on {engine}"
+            f.write(f"kvctl: starting {spec.instance} container {name} ({ref} on {engine}"
                     f"{', GPUs ' + ','.join(gpus) if gpus else ''}): {shlex.join(argv)}\n".encode())
         container = None
         try:
-            container = client.containers.create(
-                ref, command=argv, entrypoint=[], name=name, labels=labels, environment=env,
-                mounts=self._mounts(spec), working_dir=str(spec.cwd),
-                ports={f"{spec.port}/tcp": (self.options.bind, spec.port)},
-                ipc_mode="host", init=True, device_requests=devices, detach=True)
+            container = client.containers.create(**config)
             container.start()
             follower = spawn_follower(engine, container.id, spec.log_path)
         except docker.errors.APIError as e:
@@ -379,7 +416,7 @@ class DockerRuntime:
             tail = _container_tail(container)
             _discard(container)
             raise RuntimeFailure(
-                f"the {spec.role} container did not start: {error}",
+                f"the {spec.instance} container did not start: {error}",
                 where=f"engine {engine}, image {ref}, container {name}", fix=_start_fix(error),
                 details=(f"engine error: {error}"
                          + (f"\nlast {len(tail)} lines of the container's output:\n" + "\n".join(tail)
@@ -388,10 +425,10 @@ class DockerRuntime:
             _discard(container)  # Ctrl-C between create and start must not leave it behind
             raise
         url = f"http://{_url_host(engine, self.options.bind)}:{spec.port}"
-        log.debug("started %s container %s on %s: %s", spec.role, name, engine, shlex.join(argv))
-        return DockerInstance(spec.role, url, spec.log_path, engine, container.id, name, ref,
+        log.debug("started %s container %s on %s: %s", spec.instance, name, engine, shlex.join(argv))
+        return DockerInstance(spec.instance, url, spec.log_path, engine, container.id, name, ref,
                               follower.pid, process_start_ticks(follower.pid), argv, labels,
-                              follower)
+                              follower, gpus)
 
     def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> DockerInstance:
         if not isinstance(record.get("container_id"), str) or not isinstance(record.get("engine"), str):
@@ -401,17 +438,22 @@ class DockerRuntime:
                               str(record.get("container_name") or record["container_id"][:12]),
                               str(record.get("image") or ""), record.get("log_follower_pid"),
                               record.get("log_follower_start_ticks"),
-                              list(record.get("command") or []), record.get("labels"))
+                              list(record.get("command") or []), record.get("labels"),
+                              gpus=record.get("gpus"))
         return inst
 
-    def remove_leftovers(self, cluster: str) -> list[str]:
+    def remove_leftovers(self, cluster: str, records: Iterable[Mapping[str, Any]] = ()) -> list[str]:
         """Remove this cluster's containers (by label) on its engines; the names removed.
 
-        Catches what a launch interrupted between create and record left behind.
+        The engines are the options' and those named by `records` (cluster.json's
+        instance records, for `down`). Catches what a launch interrupted between
+        create and record (or killed by SIGKILL) left behind.
         """
         removed = []
         labels = {LABEL_CLUSTER: cluster, LABEL_HOME: str(kvctl_home().absolute())}
-        for url in dict.fromkeys(self.options.host(r) for r in ROLES):
+        engines = [self.options.host(r) for r in ROLES]
+        engines += [r["engine"] for r in records if isinstance(r.get("engine"), str)]
+        for url in dict.fromkeys(engines):
             try:
                 client = self._clients.get(url) or connect(url)
             except BadInput as e:

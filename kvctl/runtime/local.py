@@ -204,7 +204,7 @@ class LocalRuntime:
         spec.cwd.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as logf:
             # One header line, so a log read alone says what produced it.
-            logf.write(f"kvctl: starting {spec.role} server: {shlex.join(argv)}\n"
+            logf.write(f"kvctl: starting {spec.instance} server: {shlex.join(argv)}\n"
                        f"kvctl: its connectors: overlay {self.overlay.key} "
                        f"(PYTHONPATH={env['PYTHONPATH']})\n".encode())
             logf.flush()
@@ -213,12 +213,12 @@ class LocalRuntime:
                                          stderr=subprocess.STDOUT, cwd=spec.cwd, env=env,
                                          start_new_session=True, close_fds=True)
             except OSError as e:
-                raise RuntimeFailure(f"could not start the {spec.role} server: {e}",
+                raise RuntimeFailure(f"could not start the {spec.instance} server: {e}",
                                      where=str(argv[0]),
                                      fix="check the rig with `kvctl rig install`") from e
         url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
-        log.debug("started %s server pid %d: %s", spec.role, popen.pid, shlex.join(argv))
-        return LocalInstance(spec.role, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
+        log.debug("started %s server pid %d: %s", spec.instance, popen.pid, shlex.join(argv))
+        return LocalInstance(spec.instance, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
                              process_start_ticks(popen.pid), argv, popen, str(self.overlay.path))
 
     def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> LocalInstance:

@@ -17,8 +17,14 @@ from kvctl.views.output import Output
 
 
 def _ident(rec: InstanceRecord) -> str:
-    """What the runtime knows the server by: its pid or its container id."""
-    return str(rec.runtime_fields.get("pid") or rec.runtime_fields.get("container_id", ""))
+    """What the runtime knows the server by: its pid, or its container's name (docker)."""
+    f = rec.runtime_fields
+    return str(f.get("pid") or f.get("container_name") or str(f.get("container_id", ""))[:12])
+
+
+def _gpus(rec: InstanceRecord) -> str:
+    """The instance's GPUs (docker), e.g. "0" or "0+1"; "" without any."""
+    return "+".join(rec.runtime_fields.get("gpus") or [])
 
 
 def render_launch_plan(out: Output, spec: ClusterSpec, why: str) -> None:
@@ -46,12 +52,14 @@ def render_launched(out: Output, state: ClusterState) -> None:
         out.emit_json(state.to_json())
         return
     table = Table(title=f"cluster {state.name!r} is up", title_justify="left")
-    for col in ("role", "url", "pid", "log"):
+    gpus = any(_gpus(rec) for rec in state.instances.values())
+    for col in ("instance", "role", "url", "pid / container", *(("gpus",) if gpus else ()), "log"):
         table.add_column(col, overflow="fold")
-    for role, rec in state.instances.items():
-        table.add_row(role, rec.url, _ident(rec), rec.log_path)
+    for name, rec in state.instances.items():
+        table.add_row(name, rec.role, rec.url, _ident(rec), *((_gpus(rec),) if gpus else ()), rec.log_path)
     if state.router is not None:
-        table.add_row("router", state.router["url"], str(state.router["pid"]), state.router["log_path"])
+        table.add_row("router", "", state.router["url"], str(state.router["pid"]), *(("",) if gpus else ()),
+                      state.router["log_path"])
     out.stdout.print(table)
     if state.endpoint:
         out.stdout.print(f"endpoint: {state.endpoint}  (OpenAI API: {state.endpoint}/v1)", highlight=False)
@@ -73,15 +81,15 @@ def render_status(out: Output, statuses: list[ClusterStatus], damaged: list[Dama
         out.info("no clusters (start one with `kvctl launch 1p1d`)")
         return
     table = Table(title_justify="left")
-    for col in ("cluster", "role", "state", "url", "pid", "log"):
+    for col in ("cluster", "instance", "role", "state", "url", "pid / container", "log"):
         table.add_column(col, overflow="fold")
     for st in statuses:
-        for role, h in st.instances.items():
-            rec = st.state.instances[role]
+        for name, h in st.instances.items():
+            rec = st.state.instances[name]
             state = ("[green]healthy[/green]" if h.healthy else
                      "[yellow]running, not healthy[/yellow]" if h.running else
                      f"[red]down[/red] ({h.detail})")
-            table.add_row(st.state.name, role, state, rec.url, _ident(rec), rec.log_path)
+            table.add_row(st.state.name, name, rec.role, state, rec.url, _ident(rec), rec.log_path)
     out.stdout.print(table)
 
 
@@ -138,7 +146,7 @@ class LaunchDisplay:
     def _table(p: LaunchProgress) -> Table:
         table = Table(title=f"launching cluster {p.cluster!r}  {p.elapsed_s:5.1f} s",
                       title_justify="left", expand=True)
-        table.add_column("role", no_wrap=True)
+        table.add_column("instance", no_wrap=True)
         table.add_column("state", no_wrap=True)
         table.add_column("ready", no_wrap=True)
         table.add_column("last log line", overflow="ellipsis", no_wrap=True, ratio=1)
