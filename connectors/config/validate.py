@@ -47,7 +47,7 @@ from typing import Callable, Iterable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.config import topology
-from connectors.config.topology import FS_CONNECTOR, MULTI_CONNECTOR, ROLES
+from connectors.config.topology import FS_CONNECTOR, MULTI_CONNECTOR, ROLE_BLIND_V1, ROLES, V1_MULTI_CONNECTOR
 
 # Names vLLM 0.9.2's KVConnectorFactory can build as V0 connectors, plus ours
 # (registered by connectors.plugin).
@@ -78,7 +78,6 @@ def registered_v0_connectors(env: Mapping[str, str]) -> tuple[str, ...]:
 
 
 # Registered in the same factory but V1-only: named so the error can say so.
-V1_MULTI_CONNECTOR = "MultiConnector"
 KNOWN_V1_CONNECTORS = (
     "SharedStorageConnector", "P2pNcclConnector", "LMCacheConnectorV1", "NixlConnector",
     V1_MULTI_CONNECTOR,
@@ -370,7 +369,8 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
     else:
         problems += _check_name(name, prefix, registered, nested=parent_role is not None, engine=engine)
     role = cfg.get("kv_role")
-    problems += _check_role(role, prefix, parent_role)
+    # V1's MultiConnector runs every child by its own role (connectors.config.topology)
+    problems += _check_role(role, prefix, parent_role if engine == "v0" else None)
 
     extra_path = json_path(prefix, "kv_connector_extra_config")
     extra = cfg.get("kv_connector_extra_config")
@@ -484,12 +484,11 @@ def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...], engine: st
     # A role problem on the parent is reported there; children then get no role check.
     for i, child in enumerate(children):
         problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both", engine)
-    if engine == "v0":  # V1's MultiConnector has no transfer child: it loads from the first that has tokens
-        problems += _check_transfer_children(cfg, path)
+    problems += _check_transfer_children(cfg, path, engine)
     return problems
 
 
-def _check_transfer_children(cfg: dict, path: str) -> list[ConfigProblem]:
+def _check_transfer_children(cfg: dict, path: str, engine: str = "v0") -> list[ConfigProblem]:
     problems = []
     children = topology.children(cfg)
     marked = [c.index for c in children if c.transfer]
@@ -509,12 +508,39 @@ def _check_transfer_children(cfg: dict, path: str) -> list[ConfigProblem]:
                     f"children [{seen[child.store]}] and [{child.index}] use the same store {child.store!r}",
                     "give each FSConnector child its own directory", "warning"))
             seen.setdefault(child.store, child.index)
+    if engine == "v1":
+        return problems + _check_v1_children(children, path)
     sending_fs = [c.index for c in fs if c.sends]
     if not marked and sending_fs and any(not c.is_fs for c in children):
         problems.append(ConfigProblem(
             json_path(path, sending_fs[0], "kv_connector_extra_config", "transfer"),
             "no child is marked transfer, so FSConnector may key on an input another child rebuilt",
             'add "transfer": true to the FSConnector child that feeds the decode instance', "warning"))
+    return problems
+
+
+def _check_v1_children(children: list[topology.Child], path: str) -> list[ConfigProblem]:
+    """V1's MultiConnector loads from the first child that offers tokens, and saves to all."""
+    problems = []
+    receiving = [c for c in children if c.receives]
+    fs_recv = [c for c in receiving if c.is_fs]
+    chosen = [c for c in fs_recv if c.transfer] or fs_recv
+    if len(chosen) == 1 and receiving[0] is not chosen[0]:
+        first = receiving[0]
+        problems.append(ConfigProblem(
+            json_path(path, chosen[0].index),
+            f"child [{first.index}] {first.connector} receives before this FSConnector: V1's MultiConnector "
+            "loads from the first child that offers tokens, so the decode may load from it instead",
+            f"list the FSConnector child first (before [{first.index}])", "warning"))
+    fs_stores = {c.store: c.index for c in children if c.is_fs and c.store}
+    for c in children:
+        shared = c.config.get("kv_connector_extra_config")
+        shared = shared.get("shared_storage_path") if isinstance(shared, dict) else None
+        if c.connector in ROLE_BLIND_V1 and shared in fs_stores:
+            problems.append(ConfigProblem(
+                json_path(path, c.index, "kv_connector_extra_config", "shared_storage_path"),
+                f"{c.connector} writes its folders into FSConnector child [{fs_stores[shared]}]'s store",
+                "give it a directory of its own", "warning"))
     return problems
 
 

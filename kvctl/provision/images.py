@@ -256,14 +256,24 @@ def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str],
 
 
 def default_image(kind: str, engine: str = DEFAULT_ENGINE) -> str:
-    """The image `kvctl image build KIND` makes for this kvctl with default options.
+    """The image `kvctl image build KIND` makes for this kvctl with default options, for vLLM `engine`.
 
     cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest
     (engine v1: kvctl-gpu-v1:latest), which every GPU build moves (its hash needs
-    the base image's id).
+    the base image's id). There is no V1 cpu image (the cpu image is the V0
+    rig's): cpu with engine v1 raises BadInput (field `engine`) saying what runs
+    V1 instead.
     """
+    if engine not in ENGINES:
+        raise BadInput(f"unknown engine {engine!r}", field="engine", fix=f"use one of: {', '.join(ENGINES)}")
     if kind == "gpu":
         return f"{gpu_repo(engine)}:latest"
+    if engine != "v0":
+        raise BadInput(f"there is no {engine} cpu image: the cpu image runs the V0 rig (vLLM 0.9.2); the only "
+                       f"{engine} image is the gpu one, {gpu_repo(engine)}:latest", field="engine",
+                       fix=f"on a CPU host, run engine {engine} on the local runtime (its rig: "
+                           f"`kvctl rig install` for engine {engine}); on GPUs, build the gpu image for "
+                           f"engine {engine} and give the GPUs")
     return plan_cpu().tag
 
 

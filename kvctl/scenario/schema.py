@@ -25,7 +25,7 @@ from connectors.config.topology import (
     FS_CONNECTOR,
     MULTI_CONNECTOR,
     acts,
-    sending_children,
+    logged_send_children,
     transfer_store,
 )
 from connectors.config.validate import (
@@ -227,7 +227,7 @@ def _substitute(value: Any, values: dict[str, str]) -> Any:
 
 def _sending_names(cfg: dict) -> list[str]:
     """The connector names of P's sending children, in config order (see connectors.config.topology)."""
-    return [c.connector for c in sending_children(cfg) if c.connector is not None]
+    return [c.connector for c in logged_send_children(cfg) if c.connector is not None]
 
 
 # ---------------------------------------------------------------- checking
@@ -349,7 +349,7 @@ def _check_store_paths(s: Scenario) -> list[ConfigProblem]:
             "no FSConnector on P sends to the transfer store (kvctl verifies transfer through it)",
             f'use FSConnector (kv_producer), or a {MULTI_CONNECTOR} child {{"kv_connector": "{FS_CONNECTOR}", '
             '..., "transfer": true}'))
-    if d_path is None and d_receives:
+    if d_path is None and d_receives and "decode_skipped_forward" in checks:  # else a third-party D is fine
         problems.append(ConfigProblem(
             "$.decode.kv_transfer_config",
             "no FSConnector on D reads the transfer store",

@@ -12,6 +12,13 @@ A check whose evidence cannot be reached from here (an attached cluster's
 instance without a log source, a store not visible on this host) is
 `not_observable(name, reason)`: never passed, and reported with the reason;
 whether it fails the run is the report's `require` (kvctl.verify.report).
+
+So is the evidence of a third-party transfer connector (`third_party_checks`):
+vLLM's ExampleConnector, LMCache, NIXL... log no per-request line kvctl can
+match and write no entry of our store, so kv_send_logged, store_entry_written
+and decode_skipped_forward are not observable for them (the reason names what
+evidence remains: vLLM's server-wide /metrics counters); output_matches_baseline
+is always checked.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from connectors.config.topology import transfer_connector
 from connectors.store.format import (EntryCorrupt, KVIdentity, compute_key, entry_path,
                                      parse_header, read_entry, token_ids_of)
 from kvctl.client import ChatResult
@@ -53,6 +61,40 @@ class CheckResult:
 def not_observable(name: str, reason: str) -> CheckResult:
     """A check kvctl could not see the evidence of: not passed, not failed; `reason` says why."""
     return CheckResult(name, False, f"not observable: {reason}", observable=False)
+
+
+# What a V1 server still tells about a third-party connector (vLLM 0.32's /metrics): counters
+# summed over every request the server ran, so they cannot vouch for one request.
+METRICS_EVIDENCE = {
+    "send": "vLLM 0.32 exposes no per-request save counter (a connector's own kv_connector stats, "
+            "where it has any, are server-wide)",
+    "recv": "D's /metrics counter vllm:external_prefix_cache_hits (prompt tokens D took from the "
+            "connector) is summed over all requests, not this one",
+}
+
+
+def third_party_checks(prefill_config: dict | None, decode_config: dict | None) -> dict[str, CheckResult]:
+    """The checks a third-party transfer connector hides, as not-observable results ({} when FS carries KV).
+
+    P's side (its connector carries KV with no FSConnector: connectors.config.topology's
+    `transfer_connector`): kv_send_logged and store_entry_written (the store is not ours);
+    D's side: decode_skipped_forward. output_matches_baseline never appears here.
+    """
+    found: dict[str, CheckResult] = {}
+    sender = transfer_connector(prefill_config, "send")
+    if sender:
+        found["kv_send_logged"] = not_observable(
+            "kv_send_logged", f"P's transfer connector is {sender}, which logs no per-request send line kvctl "
+                              f"can match (only FSConnector logs `{markers.KV_SEND}`); what remains: "
+                              f"{METRICS_EVIDENCE['send']}")
+        found["store_entry_written"] = not_observable(
+            "store_entry_written", f"{sender} keeps KV in its own storage, not in an FS store kvctl can read")
+    receiver = transfer_connector(decode_config, "recv")
+    if receiver:
+        found["decode_skipped_forward"] = not_observable(
+            "decode_skipped_forward", f"D's transfer connector is {receiver}, which logs no per-request load "
+                                      f"line kvctl can match; what remains: {METRICS_EVIDENCE['recv']}")
+    return found
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from connectors.config.topology import sending_children
+from connectors.config.topology import logged_send_children
 from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.cluster.state import ClusterState
@@ -52,6 +52,7 @@ from kvctl.verify.checks import (
     check_store_entry_written,
     match_request_key,
     not_observable,
+    third_party_checks,
     transfer_bytes,
 )
 from kvctl.verify.cluster_info import ClusterInfo, cluster_info
@@ -81,8 +82,8 @@ class PrefillOutcome:
 
 
 def expected_send_children(prefill_config: dict | None) -> list[tuple[int, str]]:
-    """(index, name) of each MultiConnectorV0 child P sends to (connectors.config.topology's rule)."""
-    return [(c.index, c.connector or "") for c in sending_children(prefill_config)]
+    """(index, name) of each child P logs `sent to connector` for (connectors.config.topology's rule)."""
+    return [(c.index, c.connector or "") for c in logged_send_children(prefill_config)]
 
 
 class ClusterVerifier:
@@ -145,6 +146,9 @@ class ClusterVerifier:
 
     def prefill_evidence(self, tokens: list[int], result: ChatResult, start: tuple[int, ...]) -> PrefillOutcome:
         """P's send line for `tokens` in what P logged since `start`, and the entry it names."""
+        hidden = third_party_checks(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config)
+        if "kv_send_logged" in hidden:  # a third-party connector carries KV: its evidence is not ours to read
+            return PrefillOutcome(tokens, result, None, hidden["kv_send_logged"], hidden["store_entry_written"])
         if not self.p_log.observable:  # the key comes from P's log: without it, nothing can be matched
             why = self._p_unseen()
             store = (not_observable("store_entry_written", self.info.store_unobservable) if self.info.store is None
@@ -193,13 +197,17 @@ class ClusterVerifier:
         """D's skip (or redo) line for `key` in what D logged since `start`."""
         if not self.d_log.observable:
             return not_observable("decode_skipped_forward", f"D's log ({self.d_log.unobservable})"), ""
+        hidden = third_party_checks(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config)
+        if "decode_skipped_forward" in hidden:
+            return hidden["decode_skipped_forward"], ""
         if key_unknown:
             return not_observable("decode_skipped_forward", f"D's line is matched by the request's key, "
                                                             f"which comes from {key_unknown}"), ""
 
         def settled(text: str) -> bool:
             return bool(key) and (any(key in s.keys for s in markers.skip_forwards(text))
-                                  or any(r.mentions(key) for r in markers.redo_forwards(text)))
+                                  or any(r.mentions(key) for r in markers.redo_forwards(text))
+                                  or any(ld.key == key for ld in markers.kv_loads(text)))
 
         text = poll(lambda: self.d_log.read_from(start), settled, self.log_wait_s if key else 0)
         if key and not settled(text) and not self.d_log.complete:

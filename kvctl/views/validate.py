@@ -14,7 +14,8 @@ def render_validation(result: ValidationResult, out: Output) -> None:
     """`valid <kind>: <target>`, or a table of problems and the error/warning counts."""
     if not result.problems:
         kind = result.kind.replace("_", "-")
-        out.stdout.print(f"[green]valid[/green] {kind}: {escape(result.target)}", highlight=False)
+        needs = " (needs engine v1)" if result.engine == "v1" else ""
+        out.stdout.print(f"[green]valid[/green] {kind}{needs}: {escape(result.target)}", highlight=False)
         return
     table = Table(title=escape(result.target), title_justify="left", show_lines=True)
     table.add_column("", no_wrap=True)
@@ -27,4 +28,5 @@ def render_validation(result: ValidationResult, out: Output) -> None:
     out.stdout.print(table)
     n_err, n_warn = len(result.errors), len(result.problems) - len(result.errors)
     verdict = "[red]invalid[/red]" if n_err else "[green]valid[/green]"
-    out.stdout.print(f"{verdict}: {n_err} error(s), {n_warn} warning(s)")
+    needs = " (checked for engine v1: the config needs it)" if result.engine == "v1" else ""
+    out.stdout.print(f"{verdict}: {n_err} error(s), {n_warn} warning(s){needs}")
