@@ -32,6 +32,7 @@ class ChatResult:
     prompt_tokens: int | None
     finish_reason: str | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
+    headers: dict[str, str] = field(repr=False, default_factory=dict)  # the answer's HTTP headers (lowercase)
 
 
 def user_messages(prompt: str) -> list[dict[str, str]]:
@@ -80,14 +81,18 @@ class VLLMClient:
         return [int(t) for t in tokens]
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
-             top_p: float = SEED_TOP_P) -> ChatResult:
-        """One non-streaming chat completion; latency is the whole HTTP round trip."""
+             top_p: float = SEED_TOP_P, headers: dict[str, str] | None = None) -> ChatResult:
+        """One non-streaming chat completion; latency is the whole HTTP round trip.
+
+        `headers` go with the request (e.g. X-Request-Id); the answer's come back in `headers`.
+        """
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p,
                 # token ids for exact comparison; logprobs do not change greedy picks
                 "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True}
         start = time.perf_counter()
-        data = self._json("POST", "/v1/chat/completions", body)
+        answer: dict[str, str] = {}
+        data = self._json("POST", "/v1/chat/completions", body, headers, answer)
         latency = time.perf_counter() - start
         try:
             choice = data["choices"][0]
@@ -100,10 +105,13 @@ class VLLMClient:
         return ChatResult(text=text, token_ids=token_ids, token_strs=token_strs, latency_s=latency,
                           request_id=str(data.get("id", "")),
                           prompt_tokens=(data.get("usage") or {}).get("prompt_tokens"),
-                          finish_reason=choice.get("finish_reason"), raw=data)
+                          finish_reason=choice.get("finish_reason"), raw=data, headers=answer)
 
-    def _json(self, method: str, path: str, body: dict) -> dict:
-        resp = self._request(method, path, json=body)
+    def _json(self, method: str, path: str, body: dict, headers: dict[str, str] | None = None,
+              answer: dict[str, str] | None = None) -> dict:
+        resp = self._request(method, path, json=body, headers=headers)
+        if answer is not None:
+            answer.update((k.lower(), v) for k, v in resp.headers.items())
         if resp.status_code != 200:
             raise RuntimeFailure(
                 f"{self.role} answered {resp.status_code} to {method} {path}",

@@ -255,3 +255,53 @@ def test_field_paths_point_at_scenario_keys():
     assert scenario_path("max_tokens") == "$.max_tokens"
     assert scenario_path("prefill_config") == "$.prefill.kv_transfer_config"
     assert scenario_path("prefill_port") is None  # scenarios pick ports themselves
+
+
+# ---------------------------------------------------------------- xPyD pools: prefill: N, count: N
+
+
+def test_pool_shorthand_and_count():
+    doc = raw("smoke-1p1d")
+    doc["prefill"] = 2  # N instances with the default config
+    doc["decode"]["count"] = 3
+    assert errors(doc) == []
+    s = Scenario.model_validate(doc)
+    assert s.prefill.count == 2 and s.decode.count == 3 and s.via == "endpoint"
+    assert s.prefill.kv_transfer_config == {"kv_connector": "FSConnector", "kv_role": "kv_producer",
+                                            "kv_connector_extra_config": {"fs_storage_path": "${store}"}}
+    doc["decode"] = 1
+    assert Scenario.model_validate(doc).decode.kv_transfer_config["kv_role"] == "kv_consumer"
+    assert raw("smoke-1p1d")["prefill"].get("count") is None and load_scenario("smoke-1p1d").prefill.count == 1
+
+
+@pytest.mark.parametrize("edit, path", [
+    (lambda d: d.update(prefill=0), "$.prefill"),
+    (lambda d: d.update(decode=65), "$.decode"),
+    (lambda d: d.update(prefill=True), "$.prefill"),
+    (lambda d: d["decode"].update(count=0), "$.decode.count"),
+    (lambda d: d["decode"].update(count="two"), "$.decode.count"),
+    (lambda d: d.update(decode={"count": 2}), "$.decode.kv_transfer_config"),
+    (lambda d: d.update(via="router"), "$.via"),
+], ids=["zero", "too-many", "bool", "count-zero", "count-text", "count-without-config", "bad-via"])
+def test_bad_pool_sizes_are_refused_with_paths(edit, path):
+    doc = raw("smoke-1p1d")
+    edit(doc)
+    found = errors(doc)
+    assert [p.path for p in found] == [path], found
+    assert all(p.fix for p in found)
+
+
+def test_instance_dir_is_refused_in_a_pool():
+    doc = raw("multi-1p1d")  # P's offload child writes under ${instance_dir}
+    assert errors(doc) == []
+    doc["prefill"]["count"] = 2
+    (problem,) = errors(doc)
+    assert problem.path.startswith("$.prefill.kv_transfer_config.kv_connector_extra_config.connectors[1]")
+    assert "shared by the 2 instances" in problem.message
+
+
+def test_pd_2p2d_is_two_prefill_two_decode_through_the_router():
+    s = load_scenario("pd-2p2d")
+    assert (s.prefill.count, s.decode.count, s.runtime, s.via) == (2, 2, "local", "endpoint")
+    assert len(s.prompts) >= 4  # round robin reaches every instance of both pools
+    assert scenario_path("prefill") == "$.prefill" and scenario_path("via_endpoint") == "$.via"

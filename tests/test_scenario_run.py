@@ -69,8 +69,9 @@ def test_list_shows_shipped_scenarios_and_where_they_run(kvctl):
     r = kvctl("scenario", "list", "--json")
     assert r.rc == 0, r
     rows = {row["name"]: row for row in json.loads(r.stdout)["scenarios"]}
-    assert {"smoke-1p1d", "multi-1p1d", "seed-replica-gpu", "fs-1p1d-gpu"} <= set(rows)
-    assert rows["smoke-1p1d"]["runnable"] and rows["multi-1p1d"]["runnable"]
+    assert {"smoke-1p1d", "multi-1p1d", "seed-replica-gpu", "fs-1p1d-gpu", "pd-2p2d"} <= set(rows)
+    assert rows["smoke-1p1d"]["runnable"] and rows["multi-1p1d"]["runnable"] and rows["pd-2p2d"]["runnable"]
+    assert rows["pd-2p2d"]["shape"] == "2P2D" and rows["smoke-1p1d"]["shape"] == "1P1D"
     assert rows["smoke-1p1d"]["file"] == str(scenarios_dir() / "smoke-1p1d.yaml")
     assert all(row["valid"] for row in rows.values())
     human = kvctl("scenario", "list")
@@ -132,6 +133,21 @@ def test_plan_resolves_placeholders_children_and_store(kvctl_home, tiny_model):
     assert kept.spec.store == kept.kept_dir / "store"
     assert kept.kept_dir.parent == kvctl_home / "scenario-runs"
     assert not (kvctl_home / "clusters").exists()  # planning starts and creates nothing
+
+
+def test_plan_of_pools_launches_xpyd_behind_the_router(kvctl_home, tiny_model):
+    doc = shipped("pd-2p2d")
+    doc["model"] = str(tiny_model)
+    spec = plan_scenario(Scenario.model_validate(doc)).spec
+    assert (spec.prefill_count, spec.decode_count, spec.pooled, spec.router) == (2, 2, True, True)
+    assert [(i.name, i.role) for i in spec.instances()] == [
+        ("prefill-0", "prefill"), ("prefill-1", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")]
+    store = str(kvctl_home / "clusters" / "pd-2p2d" / "store")
+    for role in ("prefill", "decode"):
+        assert spec.role(role).kv_transfer_config["kv_connector_extra_config"]["fs_storage_path"] == store
+    doc.update(prefill=1, decode=1)
+    one = plan_scenario(Scenario.model_validate(doc)).spec
+    assert [i.name for i in one.instances()] == ["prefill", "decode"] and not one.pooled
 
 
 @pytest.mark.parametrize("edit, where, what", [

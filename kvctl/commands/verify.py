@@ -41,8 +41,9 @@ def verify(
     decode: Optional[str] = typer.Option(None, "--decode", help="The decode instance (default: the first)."),
     via_endpoint: Optional[bool] = typer.Option(
         None, "--via-endpoint/--direct",
-        help="--via-endpoint: each request once through the cluster's endpoint (its router), evidence from every "
-             "instance's log; --direct: P then D from here, as the seed's curl did. Default: the endpoint when the "
+        help="--via-endpoint: each request once through the cluster's endpoint (its router), evidence from the "
+             "logs of the P and D its X-Kvctl-Prefill/-Decode headers name (every instance's log when it names "
+             "none); --direct: P then D from here, as the seed's curl did. Default: the endpoint when the "
              "cluster has one."),
     json_out: bool = JSON_OPT,
     junit_xml: Optional[Path] = typer.Option(None, "--junit-xml", help="Also write JUnit XML here."),
@@ -60,7 +61,10 @@ def verify(
     A cluster with an endpoint (kvctl's router, started by launch) is verified
     through it by default: each request once through the router (P, then D, as
     clients do), checked the same way against a baseline from P; --direct sends
-    to P and D from here instead.
+    to P and D from here instead. Through the router, the report says which P
+    and which D served each request and how many requests each instance
+    served, and fails when an instance of a pool served none (checked when
+    there are at least as many requests as instances in that pool).
     """
     out = Output(json_mode=json_out)
     if prompt and prompts_file:

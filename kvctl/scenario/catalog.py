@@ -124,7 +124,8 @@ def missing_here(s: Scenario, runtime: str, host: Host) -> list[tuple[str, str]]
 
 
 def describe_scenario(path: Path, host: Host | None = None) -> dict[str, Any]:
-    """One row of `kvctl scenario list --json`: name, file, valid, runnable, missing, note (and more when valid).
+    """One row of `kvctl scenario list --json`: name, file, valid, runnable, missing, note (and more when valid:
+    runtime, model, prompts, description, and `shape`, e.g. "2P2D", for a scenario that launches its cluster).
 
     `runnable` is true only when nothing is `missing` (short names: "GPUs",
     "image kvctl-gpu:latest", "docker engine", "$KVCTL_MODELS", "V1 rig");
@@ -137,6 +138,8 @@ def describe_scenario(path: Path, host: Host | None = None) -> dict[str, Any]:
         return {**row, "valid": False, "runnable": False, "missing": [], "note": f"invalid: {e.what}"}
     row.update(name=s.name, valid=True, runtime=s.runtime, model=s.model, prompts=len(s.prompts),
                description=" ".join(s.description.split()))
+    if not s.attaches:  # how many instances of each role it launches: "2P2D"
+        row["shape"] = f"{s.role('prefill').count}P{s.role('decode').count}D"
     try:
         runtime, why = select_runtime(s.runtime)
     except BadInput as e:

@@ -44,7 +44,7 @@ from typing import Any
 
 from kvctl.attach.attach import AttachSpec, attach_cluster, detach_cluster, spec_from_file
 from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster, signals_interrupt
-from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec
+from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec, build_pd_spec
 from kvctl.cluster.state import ATTACHED_RUNTIME, ClusterState, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError
 from kvctl.paths import kvctl_home
@@ -257,7 +257,7 @@ def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
     configs = {role: scenario.resolved_config(role, str(store), str(cdir / "instances" / role))
                for role in ("prefill", "decode")}
     prompts = check_prompts(scenario.prompt_texts(), where=scenario_path("prompts") or "prompts")
-    spec = build_1p1d_spec(
+    options = dict(
         name=name, runtime=runtime,
         model=None if scenario.model == "tiny" else Path(_expand(scenario.model, "model")),
         served_model_name=scenario.served_model_name,
@@ -268,6 +268,11 @@ def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
         docker=_docker_options(scenario) if runtime == "docker" else None,
         prefill_engine=scenario.role("prefill").engine or scenario.engine,
         decode_engine=scenario.role("decode").engine or scenario.engine)
+    counts = {role: scenario.role(role).count for role in ("prefill", "decode")}
+    if any(n > 1 for n in counts.values()):  # xPyD: instances named prefill-0, ..., decode-0, ...
+        spec = build_pd_spec(prefill=counts["prefill"], decode=counts["decode"], **options)
+    else:
+        spec = build_1p1d_spec(**options)  # type: ignore[arg-type]
     children = _send_children(scenario, configs["prefill"])
     return ScenarioPlan(scenario=scenario, source=source, spec=spec, runtime_reason=why, prompts=prompts,
                         send_children=children, kept_dir=kept_dir)
@@ -325,9 +330,11 @@ class _Phases:
 
 
 def _verify(state: ClusterState, plan: ScenarioPlan, progress: ScenarioProgress) -> VerifyReport:
-    """The verify driver, one request at a time, with the scenario's expected send children."""
+    """The verify driver, one request at a time, with the scenario's expected send children;
+    through the cluster's endpoint when it has one (unless the scenario says `via: direct`)."""
     options = RunOptions(max_tokens=plan.scenario.max_tokens, send_children=plan.send_children,
-                         require=plan.scenario.expectations.require)
+                         require=plan.scenario.expectations.require,
+                         via_endpoint=plan.scenario.via == "endpoint" and bool(state.endpoint))
     return run_verify(state, plan.prompts, options, progress.request).report
 
 
@@ -353,9 +360,12 @@ def _verify_and_inspect(state: ClusterState, plan: ScenarioPlan, report: Scenari
     with phases.run("verify") as phase:
         report.verify = _verify(state, plan, progress)
         failed = report.failed_checks()
-        if failed:
+        never = report.verify.run_failures()  # a pool member that served no request
+        if failed or never:
             names = sorted({name for _, name, _ in failed})
-            phase.status, phase.detail = "failed", f"{len(failed)} failed checks: {', '.join(names)}"
+            why = [f"{len(failed)} failed checks: {', '.join(names)}"] if failed else []
+            why += [f"{f.instance} never served" for f in never]
+            phase.status, phase.detail = "failed", "; ".join(why)
     with phases.run("inspect") as phase:
         if state.store is None:  # attached without a visible store
             phase.detail = "not observable: the store is not visible from this host"

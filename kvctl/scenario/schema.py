@@ -1,4 +1,11 @@
-"""Scenario files: a 1P1D cluster, its prompts and what verification expects.
+"""Scenario files: a 1P1D (or xPyD) cluster, its prompts and what verification expects.
+
+`prefill: N` / `decode: M` (or `count: N` in the role's mapping) launches a
+pool of N instances of that role (kvctl.cluster.spec `build_pd_spec`); an
+integer alone means N instances with the default FSConnector config on the
+shared store. `via: endpoint` (the default) verifies through the cluster's
+endpoint (the router) when it has one, as `kvctl verify` does; `via: direct`
+sends to P and then D.
 
 Instead of prefill/decode (a cluster kvctl launches), `cluster: {attach: FILE}`
 names an attach file (kvctl.attach.file): the scenario then verifies that
@@ -19,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from connectors.config.topology import (
     FS_CONNECTOR,
@@ -34,6 +41,7 @@ from connectors.config.validate import (
     json_path,
     pydantic_problems,
 )
+from kvctl.cluster.spec import MAX_POOL, default_kv_config
 from kvctl.errors import BadInput
 
 CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
@@ -72,6 +80,9 @@ FIELD_PATHS = {
     "decode_env": "$.decode.env",
     "prefill_docker_host": "$.prefill.docker_host",
     "decode_docker_host": "$.decode.docker_host",
+    "prefill": "$.prefill",  # pool sizes (kvctl.cluster.spec check_pool_sizes)
+    "decode": "$.decode",
+    "via_endpoint": "$.via",
     "prompts": "$.prompts",
     "max_tokens": "$.max_tokens",
     "sent_to_connectors": "$.expectations.sent_to_connectors",
@@ -113,9 +124,10 @@ class PromptSpec(_Strict):
 
 
 class RoleSpec(_Strict):
-    """One instance (prefill or decode)."""
+    """The instances of one role (prefill or decode): `count` of them, all alike."""
 
     kv_transfer_config: dict[str, Any]
+    count: int = Field(default=1, ge=1, le=MAX_POOL)  # instances of this role (> 1: a pool behind the router)
     args: list[str] = Field(default_factory=list)  # extra vLLM server arguments
     env: dict[str, str] = Field(default_factory=dict)
     docker_host: str | None = None  # DOCKER_HOST-style URL; None = the local engine
@@ -156,11 +168,13 @@ class Scenario(_Strict):
     engine: Literal["v0", "v1"] = "v0"  # vLLM engine of P and D (a role's `engine` overrides it)
     model: str = Field(default="tiny", min_length=1)  # "tiny", a path, or a hub id passed to vLLM
     served_model_name: str | None = None
+    via: Literal["endpoint", "direct"] = "endpoint"  # verify through the endpoint (when there is one), or P then D
     image: str | None = None  # docker only; None = the runtime's default image
     gpus: list[str] | None = None  # docker only: [prefill devices, decode devices], e.g. ["0", "1"]
     cluster: ClusterRef | None = None  # attach instead of launching: then no prefill/decode
     # Required unless `cluster` attaches (check_scenario says which is missing); left None
     # (the default is not validated) only in an attaching scenario: use role() / role_spec().
+    # An integer N is N instances with the default config (see _pool_shorthand).
     prefill: RoleSpec = None  # type: ignore[assignment]
     decode: RoleSpec = None  # type: ignore[assignment]
     store: str | None = None  # host dir shared by P and D; None = a fresh dir per run
@@ -174,6 +188,17 @@ class Scenario(_Strict):
     def _plain_prompts(cls, value: Any) -> Any:
         if isinstance(value, list):
             return [{"text": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("prefill", "decode", mode="before")
+    @classmethod
+    def _pool_shorthand(cls, value: Any, info: ValidationInfo) -> Any:
+        """`prefill: 2`: two instances with the default FSConnector config on `${store}`."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not 1 <= value <= MAX_POOL:
+                raise ValueError(f"the number of {info.field_name} instances must be 1 to {MAX_POOL}, got {value}")
+            return {"count": value,
+                    "kv_transfer_config": default_kv_config(str(info.field_name), Path(STORE_PLACEHOLDER))}
         return value
 
     @field_validator("gpus", mode="before")
@@ -237,8 +262,11 @@ _FIXES = {
     "runtime": "use local, docker or auto",
     "model": 'use "tiny" (the generated test model), a model directory, or a hub id',
     "gpus": 'give one device spec per role: [prefill, decode], e.g. ["0", "1"]',
-    "prefill": "see scenarios/README.md: kv_transfer_config (required), args, env, docker_host",
-    "decode": "see scenarios/README.md: kv_transfer_config (required), args, env, docker_host",
+    "prefill": "give a number of instances (e.g. 2), or a mapping: kv_transfer_config (required), count, args, "
+               "env, docker_host; see scenarios/README.md",
+    "decode": "give a number of instances (e.g. 2), or a mapping: kv_transfer_config (required), count, args, "
+              "env, docker_host; see scenarios/README.md",
+    "via": "use endpoint (through the cluster's router) or direct (P, then D)",
     "prompts": 'list strings, or {repeat: "text", times: N} for a long prompt',
     "max_tokens": "use a whole number >= 1",
     "expectations": f"checks may list: {', '.join(CHECK_NAMES)}; sent_to_connectors: connector names",
@@ -371,21 +399,26 @@ def _check_placeholders(s: Scenario) -> list[ConfigProblem]:
     known = (STORE_PLACEHOLDER, INSTANCE_DIR_PLACEHOLDER)
     problems = []
 
-    def walk(value: Any, path: str) -> None:
+    def walk(value: Any, path: str, count: int) -> None:
         if isinstance(value, str):
             for found in re.findall(r"\$\{[^}]*\}?", value):
                 if found not in known:
                     problems.append(ConfigProblem(path, f"unknown placeholder {found!r}",
                                                   f"use {' or '.join(known)}"))
+                elif found == INSTANCE_DIR_PLACEHOLDER and count > 1:
+                    problems.append(ConfigProblem(
+                        path, f"{found} would be one directory shared by the {count} instances of the pool "
+                              "(every instance of a role gets the same config)",
+                        "use a single instance of this role, or a path every instance may share"))
         elif isinstance(value, dict):
             for k, v in value.items():
-                walk(v, json_path(path, k))
+                walk(v, json_path(path, k), count)
         elif isinstance(value, list):
             for i, v in enumerate(value):
-                walk(v, json_path(path, i))
+                walk(v, json_path(path, i), count)
 
     for role in ("prefill", "decode"):
-        walk(s.role(role).kv_transfer_config, f"$.{role}.kv_transfer_config")
+        walk(s.role(role).kv_transfer_config, f"$.{role}.kv_transfer_config", s.role(role).count)
     return problems
 
 

@@ -110,7 +110,7 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
             return role  # need() names it when it is missing
         return of_role[0]
 
-    all_infos = () if managed else tuple(instance(k) for k in instances)
+    all_infos = tuple(instance(k) for k in instances if isinstance(instances[k], Mapping))
     p_key, d_key = pick("prefill", prefill), pick("decode", decode)
     model = d.get("served_model_name") or need(d, "model", "")
     store = d.get("store")

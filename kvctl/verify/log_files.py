@@ -102,6 +102,23 @@ class LogPool:
         texts = [f.read_from(o) for f, o in zip(self.files, offsets)]
         return "".join(t if t.endswith("\n") or not t else t + "\n" for t in texts)
 
+    def only(self, label: str, offsets: tuple[int, ...]) -> tuple[LogPool, tuple[int, ...]] | None:
+        """The pool of just the instance named `label`, with its offset; None when none is.
+
+        A request whose instance is known (the router named it) looks at that log only.
+        """
+        for k, inst in enumerate(self.instances):
+            if inst.label == label:
+                return LogPool([inst]), (offsets[k],)
+        return None
+
+    def holder(self, offsets: tuple[int, ...], line: str) -> str | None:
+        """The label of the instance whose log has `line` since `offsets` (the first one), if any."""
+        for inst, f, o in zip(self.instances, self.files, offsets):
+            if line and line in f.read_from(o):
+                return inst.label
+        return None
+
 
 def poll(read: Callable[[], Any], done: Callable[[Any], bool], timeout_s: float) -> Any:
     """Call read() until done(value) or timeout; returns the last value."""

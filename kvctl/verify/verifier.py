@@ -20,6 +20,15 @@ at what its instances logged after it started, so requests may run
 concurrently. Library code: nothing here prints; it returns reports or raises
 KvctlError.
 
+Through the endpoint (the router), the answer's `X-Kvctl-Prefill` and
+`X-Kvctl-Decode` headers name the instances that served the request, and
+its evidence is looked for in those two logs only; each request carries its
+own `X-Request-Id`. Without those headers (a router kvctl does not control),
+the evidence is looked for in every instance of each role, and the instance
+whose log held it is reported (`instances_from: logs`). The run reports how
+many requests each instance served and fails when an instance that should
+serve never did (kvctl.verify.report `pool_verdict`).
+
 An attached cluster may hide evidence: an instance without a log source, a
 store not visible here. The checks that need it are `not_observable` (with
 the reason), never passed; `RunOptions.require` decides the verdict
@@ -32,6 +41,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -58,9 +68,20 @@ from kvctl.verify.checks import (
 from kvctl.verify.cluster_info import ClusterInfo, cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
-from kvctl.verify.report import REQUIRE_ALL, REQUIRE_CHOICES, RequestReport, VerifyReport
+from kvctl.verify.report import (
+    FROM_DIRECT,
+    FROM_HEADERS,
+    FROM_LOGS,
+    REQUIRE_ALL,
+    REQUIRE_CHOICES,
+    RequestReport,
+    VerifyReport,
+)
 
 DEFAULT_MAX_TOKENS = 16
+REQUEST_ID_HEADER = "X-Request-Id"  # the router's names (kvctl.router.app), as sent and answered
+PREFILL_HEADER = "X-Kvctl-Prefill"
+DECODE_HEADER = "X-Kvctl-Decode"
 
 Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|endpoint|baseline|done)
 SendChildren = Sequence[tuple[int, str]]  # (child index, connector name) of P's children that must log a send
@@ -94,8 +115,9 @@ class ClusterVerifier:
 
     `via_endpoint`: each request goes once through the cluster's endpoint (the
     router: P with max_tokens=1, then D), instead of to P and then D directly;
-    the evidence is looked for in the logs of every instance of each role
-    (the router may pick any), and the baseline still comes from P directly.
+    the evidence is looked for in the logs of the instances the router's
+    answer names (X-Kvctl-Prefill/-Decode), or of every instance of each role
+    when it names none; the baseline still comes from P directly.
     """
 
     def __init__(self, info: ClusterInfo, *, log_wait_s: float = LOG_WAIT_S,
@@ -133,24 +155,34 @@ class ClusterVerifier:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _p_unseen(self) -> str:
-        return f"P's log ({self.p_log.unobservable})"
+    @property
+    def pools(self) -> dict[str, list[str]]:
+        """Role -> the instances that should serve: every one behind the endpoint, else the chosen P and D."""
+        return {"prefill": [i.label for i in self.p_log.instances], "decode": [i.label for i in self.d_log.instances]}
 
-    def run_prefill(self, prompt: str) -> PrefillOutcome:
+    def _p_unseen(self, log: LogPool | None = None) -> str:
+        return f"P's log ({(log or self.p_log).unobservable})"
+
+    def run_prefill(self, prompt: str, request_id: str = "") -> PrefillOutcome:
         """Tokenize on P, send P max_tokens=1, find its send line and check the entry."""
         messages = user_messages(prompt)
         tokens = self.prefill.tokenize_chat(messages)
         start = self.p_log.offset()
-        result = self.prefill.chat(messages, max_tokens=1)
+        result = self.prefill.chat(messages, max_tokens=1, headers=_id_header(request_id))
         return self.prefill_evidence(tokens, result, start)
 
-    def prefill_evidence(self, tokens: list[int], result: ChatResult, start: tuple[int, ...]) -> PrefillOutcome:
-        """P's send line for `tokens` in what P logged since `start`, and the entry it names."""
+    def prefill_evidence(self, tokens: list[int], result: ChatResult, start: tuple[int, ...],
+                         log: LogPool | None = None) -> PrefillOutcome:
+        """P's send line for `tokens` in what P logged since `start`, and the entry it names.
+
+        `log`: the P logs to look in (`start` holds their offsets); default: every P of the verifier.
+        """
+        log = log or self.p_log
         hidden = third_party_checks(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config)
         if "kv_send_logged" in hidden:  # a third-party connector carries KV: its evidence is not ours to read
             return PrefillOutcome(tokens, result, None, hidden["kv_send_logged"], hidden["store_entry_written"])
-        if not self.p_log.observable:  # the key comes from P's log: without it, nothing can be matched
-            why = self._p_unseen()
+        if not log.observable:  # the key comes from P's log: without it, nothing can be matched
+            why = self._p_unseen(log)
             store = (not_observable("store_entry_written", self.info.store_unobservable) if self.info.store is None
                      else not_observable("store_entry_written", f"the entry is found by the key in {why}"))
             return PrefillOutcome(tokens, result, None, not_observable("kv_send_logged", why), store)
@@ -158,7 +190,7 @@ class ClusterVerifier:
             known = self._identity
 
         def read() -> tuple[str, KeyMatch | None]:
-            text = self.p_log.read_from(start)
+            text = log.read_from(start)
             return text, match_request_key(markers.kv_sends(text), tokens, self.info.store, known)
 
         def complete(value: tuple[str, KeyMatch | None]) -> bool:
@@ -172,8 +204,8 @@ class ClusterVerifier:
         if match is not None and match.identity is not None:
             with self._lock:
                 self._identity = match.identity
-        if match is None and not self.p_log.complete:  # it may have gone to a P whose log is out of reach
-            why = f"no send line in the P logs kvctl can read, and the request may have gone to {self._p_unseen()}"
+        if match is None and not log.complete:  # it may have gone to a P whose log is out of reach
+            why = f"no send line in the P logs kvctl can read, and the request may have gone to {self._p_unseen(log)}"
             return PrefillOutcome(tokens, result, None, not_observable("kv_send_logged", why),
                                   not_observable("store_entry_written", f"the entry is found by the key: {why}"))
         kv_send = check_kv_send_logged(match, text, len(tokens), self.children)
@@ -182,21 +214,23 @@ class ClusterVerifier:
         return PrefillOutcome(tokens, result, match, kv_send, store_entry)
 
     def run_decode(self, prompt: str, key: str, max_tokens: int,
-                   key_unknown: str = "") -> tuple[ChatResult, CheckResult, str]:
+                   key_unknown: str = "", request_id: str = "") -> tuple[ChatResult, CheckResult, str]:
         """D with max_tokens; returns its result, the skip check and D's new log text.
 
         `key_unknown`: why this request's key cannot be known (P's log is not
         observable); the skip check is then not observable either.
         """
         start = self.d_log.offset()
-        result = self.decode.chat(user_messages(prompt), max_tokens=max_tokens)
+        result = self.decode.chat(user_messages(prompt), max_tokens=max_tokens, headers=_id_header(request_id))
         check, text = self.decode_evidence(key, start, key_unknown)
         return result, check, text
 
-    def decode_evidence(self, key: str, start: tuple[int, ...], key_unknown: str = "") -> tuple[CheckResult, str]:
-        """D's skip (or redo) line for `key` in what D logged since `start`."""
-        if not self.d_log.observable:
-            return not_observable("decode_skipped_forward", f"D's log ({self.d_log.unobservable})"), ""
+    def decode_evidence(self, key: str, start: tuple[int, ...], key_unknown: str = "",
+                        log: LogPool | None = None) -> tuple[CheckResult, str]:
+        """D's skip (or redo) line for `key` in what D logged since `start` (in `log`: default every D)."""
+        log = log or self.d_log
+        if not log.observable:
+            return not_observable("decode_skipped_forward", f"D's log ({log.unobservable})"), ""
         hidden = third_party_checks(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config)
         if "decode_skipped_forward" in hidden:
             return hidden["decode_skipped_forward"], ""
@@ -209,11 +243,11 @@ class ClusterVerifier:
                                   or any(r.mentions(key) for r in markers.redo_forwards(text))
                                   or any(ld.key == key for ld in markers.kv_loads(text)))
 
-        text = poll(lambda: self.d_log.read_from(start), settled, self.log_wait_s if key else 0)
-        if key and not settled(text) and not self.d_log.complete:
+        text = poll(lambda: log.read_from(start), settled, self.log_wait_s if key else 0)
+        if key and not settled(text) and not log.complete:
             return not_observable("decode_skipped_forward", f"no line for key {key} in the D logs kvctl can read, "
                                                             f"and the request may have gone to D's log "
-                                                            f"({self.d_log.unobservable})"), text
+                                                            f"({log.unobservable})"), text
         cfg = self.info.decode.kv_transfer_config
         hint = ("D was launched without a kv-transfer-config" if not cfg
                 else f"D's kv-transfer-config: {json.dumps(cfg, separators=(',', ':'))}")
@@ -226,30 +260,61 @@ class ClusterVerifier:
                       stage: Callable[[str], None] = lambda s: None) -> RequestReport:
         if self.endpoint is not None:
             return self.verify_prompt_via_endpoint(prompt, max_tokens, stage)
+        request_id = new_request_id()
         stage("prefill")
-        pre = self.run_prefill(prompt)
+        pre = self.run_prefill(prompt, request_id)
         stage("decode")
         key_unknown = "" if pre.match is not None or self.p_log.complete else self._p_unseen()
-        dec, skip_check, d_text = self.run_decode(prompt, pre.key, max_tokens, key_unknown)
+        dec, skip_check, d_text = self.run_decode(prompt, pre.key, max_tokens, key_unknown, request_id)
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
-        return self._report(prompt, pre, dec, skip_check, d_text, base)
+        report = self._report(prompt, pre, dec, skip_check, d_text, base)
+        report.request_id, report.instances_from = request_id, FROM_DIRECT
+        report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
+        return report
 
     def verify_prompt_via_endpoint(self, prompt: str, max_tokens: int,
                                    stage: Callable[[str], None] = lambda s: None) -> RequestReport:
-        """One request through the endpoint (the router runs P, then D), checked like a direct one."""
+        """One request through the endpoint (the router runs P, then D), checked like a direct one.
+
+        The evidence follows the answer's X-Kvctl-Prefill/-Decode headers: P's
+        send line in that prefill instance's log, D's line in that decode
+        instance's. Without them (or naming an instance this cluster does not
+        have), every instance of each role is searched, and the one whose log
+        held the line is reported.
+        """
         assert self.endpoint is not None
         messages = user_messages(prompt)
         stage("endpoint")
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
-        dec = self.endpoint.chat(messages, max_tokens=max_tokens)
-        pre = self.prefill_evidence(tokens, dec, p_start)
-        key_unknown = "" if pre.match is not None or self.p_log.complete else self._p_unseen()
-        skip_check, d_text = self.decode_evidence(pre.key, d_start, key_unknown)
+        sent_id = new_request_id()
+        dec = self.endpoint.chat(messages, max_tokens=max_tokens, headers=_id_header(sent_id))
+        p_log, p_off, p_name, p_note = _follow(self.p_log, p_start, dec.headers.get(PREFILL_HEADER.lower()),
+                                               PREFILL_HEADER)
+        d_log, d_off, d_name, d_note = _follow(self.d_log, d_start, dec.headers.get(DECODE_HEADER.lower()),
+                                               DECODE_HEADER)
+        pre = self.prefill_evidence(tokens, dec, p_off, p_log)
+        key_unknown = "" if pre.match is not None or p_log.complete else self._p_unseen(p_log)
+        skip_check, d_text = self.decode_evidence(pre.key, d_off, key_unknown, d_log)
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
-        return self._report(prompt, pre, dec, skip_check, d_text, base)
+        report = self._report(prompt, pre, dec, skip_check, d_text, base)
+        if p_name is None and pre.match is not None and pre.match.send is not None:
+            p_name = p_log.holder(p_off, pre.match.send.line)
+        if d_name is None and pre.key:
+            line = next((s.line for s in markers.skip_forwards(d_text) if pre.key in s.keys),
+                        next((ld.line for ld in markers.kv_loads(d_text) if ld.key == pre.key), ""))
+            d_name = d_log.holder(d_off, line)
+        report.request_id = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
+        report.prefill_instance, report.decode_instance = p_name, d_name
+        report.instances_from = FROM_HEADERS if not (p_note or d_note) else (FROM_LOGS if p_name or d_name else "")
+        for check, note in ((pre.kv_send, p_note), (pre.store_entry, ""), (skip_check, d_note)):
+            if not check.passed and check.observable and note:
+                check.evidence += f" ({note})"
+        _name_where_looked(pre.kv_send, p_name if not p_note else None, PREFILL_HEADER)
+        _name_where_looked(skip_check, d_name if not d_note else None, DECODE_HEADER)
+        return report
 
     def _report(self, prompt: str, pre: PrefillOutcome, dec: ChatResult, skip_check: CheckResult, d_text: str,
                 base: ChatResult) -> RequestReport:
@@ -264,6 +329,35 @@ class ClusterVerifier:
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None)
+
+
+def new_request_id() -> str:
+    """A fresh request id (sent as X-Request-Id: vLLM names the request after it in its log)."""
+    return uuid.uuid4().hex
+
+
+def _id_header(request_id: str) -> dict[str, str] | None:
+    return {REQUEST_ID_HEADER: request_id} if request_id else None
+
+
+def _follow(pool: LogPool, start: tuple[int, ...], named: str | None,
+            header: str) -> tuple[LogPool, tuple[int, ...], str | None, str]:
+    """The logs a request's evidence is looked for in: the instance `named` by the router's
+    `header`, when the pool has it; else the whole pool, with a note saying why."""
+    if named:
+        narrowed = pool.only(named, start)
+        if narrowed is not None:
+            return narrowed[0], narrowed[1], named, ""
+        known = ", ".join(i.label for i in pool.instances)
+        return pool, start, None, (f"the router's {header} named {named!r}, not an instance of this cluster "
+                                   f"({known}): every instance's log was searched")
+    return pool, start, None, f"the answer had no {header} header: every instance's log was searched"
+
+
+def _name_where_looked(check: CheckResult, name: str | None, header: str) -> None:
+    """A failed check through the router says whose log it read (the instance the header named)."""
+    if name and not check.passed and check.observable:
+        check.evidence += f" (looked in {name}'s log: the instance named by {header})"
 
 
 # ------------------------------------------------------------------ the one loop
@@ -338,8 +432,9 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
             with ThreadPoolExecutor(max_workers=options.concurrency) as pool:
                 requests = list(pool.map(one, range(total)))
         wall = time.perf_counter() - start
+        pools = verifier.pools
     return VerifyRun(VerifyReport(cluster=info.name, requests=requests, max_tokens=options.max_tokens,
-                                  require=options.require), wall)
+                                  require=options.require, pools=pools), wall)
 
 
 def verify_cluster(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str] = DEFAULT_PROMPTS,

@@ -19,7 +19,8 @@ from kvctl.views.verify import render_verify_report
 def render_scenario_list(rows: list[dict[str, Any]], out: Output) -> None:
     """One line per scenario (name, runtime, model, runs here or what is missing), its description under it."""
     # A wide table does not fit 80 columns.
-    width = {k: max([len(k)] + [len(str(r.get(k) or "?")) for r in rows]) for k in ("name", "runtime", "model")}
+    width = {k: max([len(k)] + [len(str(r.get(k) or "?")) for r in rows])
+             for k in ("name", "shape", "runtime", "model")}
     out.stdout.print("  ".join(k.upper().ljust(width[k]) for k in width) + "  RUNS HERE", style="bold",
                      highlight=False)
     for r in rows:
@@ -114,7 +115,7 @@ class RunDisplay(ScenarioProgress):
             self.launch_display(progress)
 
     def request(self, index: int, total: int, stage: str) -> None:
-        if stage == "prefill":
+        if stage in ("prefill", "endpoint"):  # a request's first stage, direct or through the router
             self.request_t0 = time.monotonic()
         if self.bar is not None:
             if self.task is None:

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from kvctl.verify.checks import CHECKS, CheckResult
 from kvctl.verify.load_mode import LoadReport
-from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
+from kvctl.verify.report import FROM_HEADERS, FROM_LOGS, REQUIRE_OBSERVABLE, VerifyReport
 from kvctl.verify.verifier import Progress as RequestProgress
 from kvctl.views.output import Output
 
@@ -60,7 +60,26 @@ def _verdict(report: VerifyReport, passed: bool, failed: int, unseen: int) -> Te
                 else f" ({unseen} checks not observable; --require observable would allow them)")
     if passed:
         return Text.assemble(("PASSED", "bold green"), note)
-    return Text.assemble((f"FAILED ({failed} failed checks)", "bold red"), note)
+    run = len(report.run_failures())
+    why = f"{failed} failed checks" + (f", {run} instance{'s' if run != 1 else ''} never served" if run else "")
+    return Text.assemble((f"FAILED ({why})", "bold red"), note)
+
+
+def _routed(report: VerifyReport) -> bool:
+    """Whether requests went through a router (their instances were named by it or found in logs)."""
+    return any(r.instances_from in (FROM_HEADERS, FROM_LOGS) for r in report.requests)
+
+
+def render_instances(report: VerifyReport, console: Console) -> None:
+    """How many requests each instance served; each run failure (an instance that never did); the notes."""
+    served = report.served()
+    if _routed(report) and served:
+        cells = ", ".join(f"{name} {v['served']}" for name, v in served.items())
+        console.print(Text.assemble(("requests served: ", "bold"), cells))
+    for f in report.run_failures():
+        console.print(Text.assemble((f"✗ {f.check} {f.instance}: ", "bold red"), f.reason))
+    for note in report.instance_notes():
+        console.print(Text.assemble(("note: ", "yellow"), note))
 
 
 def render_verify_report(report: VerifyReport, console: Console) -> None:
@@ -77,12 +96,18 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
     table.add_column("P s", justify="right")
     table.add_column("D s", justify="right")
     table.add_column("KV bytes", justify="right", no_wrap=True)
+    routed = _routed(report)
+    if routed:  # which P and which D served each request (through the router)
+        table.add_column("P", no_wrap=True)
+        table.add_column("D", no_wrap=True)
     for i, r in enumerate(report.requests):
         marks = [_mark(r.check(n)) for n in CHECKS]
+        served = (r.prefill_instance or "?", r.decode_instance or "?") if routed else ()
         table.add_row(str(i + 1), str(r.prompt_tokens), r.key[:8] or "-", *marks,
                       _secs(r.prefill_latency_s), _secs(r.decode_latency_s),
-                      f"{r.transfer_bytes:,}" if r.transfer_bytes is not None else "-")
+                      f"{r.transfer_bytes:,}" if r.transfer_bytes is not None else "-", *served)
     console.print(table)
+    render_instances(report, console)
     failed = [(i, c) for i, r in enumerate(report.requests) for c in r.checks if not c.passed and c.observable]
     for i, c in failed:
         console.print(Text.assemble((f"✗ request {i + 1} {c.name}: ", "bold red"), c.evidence))
@@ -121,6 +146,7 @@ def render_load(result: LoadReport, console: Console) -> None:
         for c in r.checks:
             if not c.passed and c.observable:
                 console.print(Text.assemble((f"✗ request {i + 1} {c.name}: ", "bold red"), c.evidence))
+    render_instances(result.verify, console)
     unseen = _render_not_observable(result.verify, console)
     failed = sum(load["failed_checks"].values())
     verdict = _verdict(result.verify, result.passed, failed, unseen)
