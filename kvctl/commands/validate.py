@@ -20,10 +20,12 @@ def validate_cmd(
                                  help="Inline JSON, @file.json, a .json file, or a scenario (YAML path or name)."),
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Validate a --kv-transfer-config (incl. MultiConnectorV0 children) or a scenario file.
+    """Validate a --kv-transfer-config (incl. MultiConnectorV0 or vLLM V1 MultiConnector children) or a scenario.
 
     Lists every problem with its JSON path and fix; exits 2 on any error
-    (warnings alone exit 0).
+    (warnings alone exit 0). A config that needs vLLM V1 (a V1 connector,
+    MultiConnector, kv_connector_module_path) is checked for V1 and says so
+    ("engine": "v1" in --json).
     """
     out = Output(json_mode=json_out)
     result = validate_target(target)
