@@ -49,8 +49,8 @@ from connectors.v0.batch import split_prefills, span_slots, span_tokens
 from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.v0.attn_backend import kv_cache_backend_name
-from connectors.v0.kv_layout import (CacheGeometry, KVLayout, UnsupportedLayout, layout_for_backend,
-                                     select_layout)
+from connectors.v0.kv_layout import (CacheGeometry, GatherBuffers, KVLayout, SharedGathers,
+                                     UnsupportedLayout, layout_for_backend, select_layout)
 from connectors.served_model import served_model_identity, unkeyable_input_problems
 from connectors.logs import SendFailureLog, get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
@@ -69,6 +69,10 @@ SEND_LINE = "[rank%d]: KV send DONE."
 
 class FSConnector(KVConnectorBase):
     """KV and hidden states through a shared filesystem path, one entry per prompt."""
+
+    # Set by MultiConnectorV0 for one send step: the KV another child already gathered.
+    shared_gathers: SharedGathers | None = None
+    _buffers: GatherBuffers | None = None
 
     def __init__(self, rank: int, local_rank: int, config: "VllmConfig"):
         self.rank = rank
@@ -113,6 +117,7 @@ class FSConnector(KVConnectorBase):
         self._identity: fmt.KVIdentity | None = None  # known once caches exist
         self._layout: KVLayout | None = None
         self._send_failures = SendFailureLog(logger)
+        self._buffers = GatherBuffers()  # gather outputs, reused step after step
         logger.info("FSConnector ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
                     "head_size=%d block_size=%d tp=%d/%d fsync=%s", kv_config.kv_role, self.root,
                     self.model_id, self.num_layers, self.geometry.kv_heads,
@@ -171,7 +176,7 @@ class FSConnector(KVConnectorBase):
             slots = span_slots(model_input, span)
             try:
                 start = time.perf_counter()
-                kv = layout.gather_layers(kv_caches, slots)
+                kv = self._gather(layout, kv_caches, slots)
                 gather_s = time.perf_counter() - start
                 result = self.store.save(identity, tokens, kv, hidden[span.end - 1:span.end])
             except (OSError, fmt.StoreError) as e:
@@ -181,6 +186,17 @@ class FSConnector(KVConnectorBase):
                         result.key, len(tokens), result.num_bytes, result.seconds * 1e3,
                         gather_s * 1e3)
 
+
+    def _gather(self, layout: KVLayout, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        """Every layer's KV of `slots`: another child's gather of this step when shared, else ours."""
+        if self.shared_gathers is not None:
+            return self.shared_gathers.gather(layout, kv_caches, slots)
+        if self._buffers is None:
+            self._buffers = GatherBuffers()
+        self._buffers.start_step()  # the previous request's entry is saved: reuse its buffer
+        return layout.gather_layers(kv_caches, slots,
+                                    out=self._buffers.take(layout.layers_shape(len(kv_caches), slots.shape[0]),
+                                                           kv_caches[0]))
 
     # -- consumer --
 

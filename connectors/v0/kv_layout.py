@@ -23,8 +23,10 @@ Imports torch only (no vLLM): `kvctl.bench.layout` runs these adapters too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -76,11 +78,15 @@ class KVLayout:
         """Write [kv_parts, tokens, heads, head_size] `kv` into `slots` of `cache`."""
         raise NotImplementedError
 
-    def gather_layers(self, caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    def layers_shape(self, num_layers: int, tokens: int) -> tuple[int, ...]:
+        return (num_layers, self.kv_parts, tokens, self.g.kv_heads, self.g.head_size)
+
+    def gather_layers(self, caches: list[torch.Tensor], slots: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer's KV of `slots` as one [layers, kv_parts, tokens, heads, head_size]
-        tensor, each layer gathered straight into its slice."""
-        out = caches[0].new_empty((len(caches), self.kv_parts, slots.shape[0],
-                                   self.g.kv_heads, self.g.head_size))
+        tensor (`out` when given, else a new one), each layer gathered straight into its slice."""
+        if out is None:
+            out = caches[0].new_empty(self.layers_shape(len(caches), slots.shape[0]))
         for layer, cache in enumerate(caches):
             self.gather(cache, slots, out=out[layer])
         return out
@@ -94,13 +100,54 @@ class KVLayout:
         return cache.new_empty((self.kv_parts, tokens, self.g.kv_heads, self.g.head_size))
 
 
+# --- reusable gather outputs: a fresh one faults in 4 KiB at a time ---
+
+GATHER_BUFFER_BYTES = 512 << 20  # at most this much host memory kept for reuse
+
+
+class GatherBuffers:
+    """Reusable host tensors for gather_layers' output, one per request of a step.
+
+    A new multi-MB CPU tensor is a fresh mapping that faults in one 4 KiB
+    page at a time on its first write: that made a 128 MB gather about 5x
+    slower than copying the same bytes into a tensor written before
+    (measured here, 145 vs 28 ms). `take` hands out the i-th buffer of the
+    step (kept from earlier steps when big enough); `start_step` makes them
+    all free again, so a caller must be done with a step's tensors (saved)
+    before the next step starts. At most `max_bytes` are kept, in all;
+    anything beyond (and any non-CPU tensor) is allocated fresh.
+    """
+
+    def __init__(self, max_bytes: int = GATHER_BUFFER_BYTES):
+        self.max_bytes = max_bytes
+        self._kept: list[torch.Tensor] = []  # uint8
+        self._next = 0
+
+    def start_step(self) -> None:
+        self._next = 0
+
+    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        nbytes = math.prod(shape) * like.element_size()
+        if like.device.type != "cpu":
+            return like.new_empty(shape)
+        index, self._next = self._next, self._next + 1
+        if index < len(self._kept) and self._kept[index].numel() >= nbytes:
+            buf = self._kept[index]
+        else:
+            buf = torch.empty(nbytes, dtype=torch.uint8)
+            others = sum(t.numel() for i, t in enumerate(self._kept) if i != index)
+            if index <= len(self._kept) and others + nbytes <= self.max_bytes:
+                self._kept[index:index + 1] = [buf]
+        return buf[:nbytes].view(like.dtype).view(shape)
+
+
 # Gather and scatter only move bytes, so they work on views that reinterpret
 # them: integers of the element's size (bit exact, and index kernels exist
-# for them on every device, unlike float8 on CPU), and for the paged key's
-# 16-byte groups the widest element the tensors' alignment allows (complex128,
-# else int64), which the element-wise index kernels move in 1/x (1/(x/2)) as
-# many steps. aten's index with `out` writes the gathered rows straight into
-# the caller's tensor.
+# for them on every device, unlike float8 on CPU), and for whole rows or the
+# paged key's 16-byte groups the widest element the tensors' alignment allows
+# (complex128, else int64), which the element-wise index kernels move in
+# 1/x (1/(x/2)) as many steps. aten's index with `out` writes the gathered
+# rows straight into the caller's tensor.
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _WIDE = ((torch.complex128, 16), (torch.int64, 8))
 _index_out = torch.ops.aten.index.Tensor_out
@@ -123,7 +170,90 @@ def _move_unit(*tensors: torch.Tensor) -> tuple[torch.dtype, int]:
     return _BITS[es], es
 
 
-class PagedAttentionLayout(KVLayout):
+def _row_pair(a: torch.Tensor, a_rows: int, b: torch.Tensor,
+              b_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Contiguous `a` and `b` as [a_rows, row] and [b_rows, row] of one element type:
+    the widest (16, 8 bytes) both starts are aligned to and both rows hold whole, else
+    the integers of their element size. Index kernels then move a row in few steps."""
+    es = a.element_size()
+    row_bytes = a.numel() * es // a_rows
+    for dtype, size in _WIDE + ((_BITS[es], es),):
+        if row_bytes % size == 0 and all(t.storage_offset() * es % size == 0 for t in (a, b)):
+            return a.view(a_rows, -1).view(dtype), b.view(b_rows, -1).view(dtype)
+    raise AssertionError("unreachable: the element size always fits")
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """A request's slots split into whole blocks and the rest.
+
+    A prompt's slots are ``block_table[pos // block_size] * block_size +
+    pos % block_size``: every block but the last is whole, so the first
+    `full` slots move as `blocks` (one row of block_size tokens each) and
+    only the `tail` moves token by token. Slots that are not whole blocks
+    in order (any other caller's) all go in `tail`.
+    """
+
+    slots: torch.Tensor
+    blocks: torch.Tensor
+    tail: torch.Tensor
+    full: int  # slots covered by `blocks`: len(blocks) * block_size
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, block_size: int) -> "SlotPlan":
+        slots = slots.reshape(-1).to(torch.int64)
+        n = slots.shape[0] // block_size
+        if n:
+            head = slots[: n * block_size].view(n, block_size)
+            first = head[:, 0]
+            step = torch.arange(block_size, device=slots.device, dtype=slots.dtype)
+            if not bool(((first % block_size == 0) & (head == first[:, None] + step).all(1)).all()):
+                n = 0
+        full = n * block_size
+        blocks = slots[:full:block_size] // block_size if n else slots[:0]
+        return cls(slots, blocks, slots[full:], full)
+
+    def split(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tail's (block, offset) pairs."""
+        return self.tail // block_size, self.tail % block_size
+
+
+class _BlockwiseLayout(KVLayout):
+    """A layout that moves whole blocks as rows: one plan per call, shared by every layer."""
+
+    def gather(self, cache, slots, out=None):
+        out = self._new_out(cache, slots.shape[0]) if out is None else out
+        self._gather(cache, SlotPlan.of(slots, self.g.block_size), out)
+        return out
+
+    def scatter(self, cache, slots, kv):
+        self._scatter(cache, SlotPlan.of(slots, self.g.block_size), kv)
+
+    def gather_layers(self, caches, slots, out=None):
+        if out is None:
+            out = caches[0].new_empty(self.layers_shape(len(caches), slots.shape[0]))
+        plan = SlotPlan.of(slots, self.g.block_size)
+        for layer, cache in enumerate(caches):
+            self._gather(cache, plan, out[layer])
+        return out
+
+    def scatter_layers(self, caches, slots, kv):
+        plan = SlotPlan.of(slots, self.g.block_size)
+        for cache, layer_kv in zip(caches, kv):
+            self._scatter(cache, plan, layer_kv.to(cache.dtype))
+
+    def _gather(self, cache: torch.Tensor, plan: SlotPlan, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _scatter(self, cache: torch.Tensor, plan: SlotPlan, kv: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class PagedAttentionLayout(_BlockwiseLayout):
+    """[2, blocks, block_size * heads * head_size]; inside a block, tokens are the
+    innermost dimension but one (key) or the innermost (value): moving a token
+    is a transpose, at 16 bytes (key) and at one element (value)."""
+
     name = "paged_attention"
 
     @classmethod
@@ -147,45 +277,96 @@ class PagedAttentionLayout(KVLayout):
         x = 16 // t.element_size()
         return t.view(unit).view(t.shape[0], self.g.kv_heads, self.g.head_size // x, 16 // size)
 
-    def gather(self, cache, slots, out=None):
-        block, offset = slots // self.g.block_size, slots % self.g.block_size
-        out = self._new_out(cache, slots.shape[0]) if out is None else out
+    def _gather(self, cache, plan, out):
+        g = self.g
         unit, size = _move_unit(cache[0], out[0])
-        # Advanced indices on dims 0 and 3 (split by slices) move to the front:
-        # key -> [T, heads, head_size // x, 16 // size], value -> [T, heads, head_size].
-        _index_out(self._key_view(cache, unit, size), [block, None, None, offset],
-                   out=self._token_key(out[0], unit, size))
-        _index_out(self._value_view(cache), [block, None, None, offset], out=_bits(out[1]))
-        return out
+        key, value = self._key_view(cache, unit, size), self._value_view(cache)
+        out_key, out_value = self._token_key(out[0], unit, size), _bits(out[1])
+        full, n = plan.full, plan.blocks.shape[0]
+        if n:
+            # Advanced index on dim 0 ([n, heads, head_size // x, block_size, k]) with the
+            # block's tokens moved first: one pass, written into the token-major rows.
+            _index_out(key.permute(0, 3, 1, 2, 4), [plan.blocks],
+                       out=out_key[:full].view(n, g.block_size, *out_key.shape[1:]))
+            _transpose_blocks(value, plan.blocks, out_value[:full].view(n, g.block_size, g.kv_heads,
+                                                                         g.head_size))
+        if plan.tail.shape[0]:
+            block, offset = plan.split(g.block_size)
+            # Advanced indices on dims 0 and 3 (split by slices) move to the front:
+            # key -> [T, heads, head_size // x, 16 // size], value -> [T, heads, head_size].
+            _index_out(key, [block, None, None, offset], out=out_key[full:])
+            _index_out(value, [block, None, None, offset], out=out_value[full:])
 
-    def scatter(self, cache, slots, kv):
-        block, offset = slots // self.g.block_size, slots % self.g.block_size
+    def _scatter(self, cache, plan, kv):
+        g = self.g
         key = kv[0].contiguous()
         unit, size = _move_unit(cache[0], key)
-        self._key_view(cache, unit, size)[block, :, :, offset] = self._token_key(key, unit, size)
-        self._value_view(cache)[block, :, :, offset] = _bits(kv[1])
+        key_view, value_view = self._key_view(cache, unit, size), self._value_view(cache)
+        tok_key, tok_value = self._token_key(key, unit, size), _bits(kv[1])
+        full, n = plan.full, plan.blocks.shape[0]
+        if n:
+            key_view.permute(0, 3, 1, 2, 4).index_put_(
+                (plan.blocks,), tok_key[:full].view(n, g.block_size, *tok_key.shape[1:]))
+            value_view.permute(0, 3, 1, 2).index_put_(
+                (plan.blocks,), tok_value[:full].view(n, g.block_size, g.kv_heads, g.head_size))
+        if plan.tail.shape[0]:
+            block, offset = plan.split(g.block_size)
+            key_view[block, :, :, offset] = tok_key[full:]
+            value_view[block, :, :, offset] = tok_value[full:]
 
 
-class FlashAttentionLayout(KVLayout):
+def _transpose_blocks(value: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None:
+    """out[i, t, h, d] = value[blocks[i], h, d, t]: whole blocks of the paged value cache, token-major.
+
+    An element-sized transpose: on the CPU numpy's strided copy does it in
+    about half the time of torch's (measured here), one block at a time.
+    """
+    if value.device.type != "cpu":
+        _index_out(value.permute(0, 3, 1, 2), [blocks], out=out)
+        return
+    src, dst = value.numpy(), out.numpy()
+    for i, block in enumerate(blocks.tolist()):
+        np.copyto(dst[i], src[block].transpose(2, 0, 1))
+
+
+class FlashAttentionLayout(_BlockwiseLayout):
+    """[2, blocks, block_size, heads, head_size]: a block of one part is one contiguous row."""
+
     name = "flash_attn"
 
     @classmethod
     def cache_shape(cls, num_blocks, g):
         return (2, num_blocks, g.block_size, g.kv_heads, g.head_size)
 
-    def _flat(self, cache):
-        return _bits(cache).view(2, -1, self.g.kv_heads, self.g.head_size)
+    def _gather(self, cache, plan, out):
+        full, n, tail = plan.full, plan.blocks.shape[0], plan.tail.shape[0]
+        bs = self.g.block_size
+        for part in range(2):
+            src, dst = cache[part], out[part]
+            if n:
+                rows, into = _row_pair(src, src.shape[0], dst[:full], n)
+                torch.index_select(rows, 0, plan.blocks, out=into)
+            if tail:
+                rows, into = _row_pair(src, src.shape[0] * bs, dst[full:], tail)
+                torch.index_select(rows, 0, plan.tail, out=into)
 
-    def gather(self, cache, slots, out=None):
-        out = self._new_out(cache, slots.shape[0]) if out is None else out
-        torch.index_select(self._flat(cache), 1, slots, out=_bits(out))
-        return out
+    def _scatter(self, cache, plan, kv):
+        full, n, tail = plan.full, plan.blocks.shape[0], plan.tail.shape[0]
+        bs = self.g.block_size
+        for part in range(2):
+            dst, src = cache[part], kv[part].contiguous()
+            if n:
+                rows, values = _row_pair(dst, dst.shape[0], src[:full], n)
+                rows.index_copy_(0, plan.blocks, values)
+            if tail:
+                rows, values = _row_pair(dst, dst.shape[0] * bs, src[full:], tail)
+                rows.index_copy_(0, plan.tail, values)
 
-    def scatter(self, cache, slots, kv):
-        self._flat(cache).index_copy_(1, slots, _bits(kv))
 
+class FlashInferLayout(_BlockwiseLayout):
+    """[blocks, 2, block_size, heads, head_size]: a block of one part is one contiguous
+    row, the two parts of a block side by side."""
 
-class FlashInferLayout(KVLayout):
     name = "flashinfer"
     blocks_dim = 0
 
@@ -193,21 +374,34 @@ class FlashInferLayout(KVLayout):
     def cache_shape(cls, num_blocks, g):
         return (num_blocks, 2, g.block_size, g.kv_heads, g.head_size)
 
-    def gather(self, cache, slots, out=None):
-        block, offset = slots // self.g.block_size, slots % self.g.block_size
-        # Advanced indices on dims 0 and 2 -> [T, 2, heads, head_size].
-        kv = _bits(cache)[block, :, offset].transpose(0, 1)
-        if out is None:
-            return kv.contiguous().view(cache.dtype)
-        _bits(out).copy_(kv)
-        return out
+    def _gather(self, cache, plan, out):
+        full, n = plan.full, plan.blocks.shape[0]
+        for part in range(2):
+            if n:
+                # cache[:, part] is [blocks, row] with a stride of two rows
+                rows, into = _row_pair(cache, 2 * cache.shape[0],
+                                       out[part, :full], n)
+                torch.index_select(rows.view(cache.shape[0], 2, -1)[:, part], 0, plan.blocks, out=into)
+        if plan.tail.shape[0]:
+            block, offset = plan.split(self.g.block_size)
+            # Advanced indices on dims 0 and 2 -> [T, 2, heads, head_size].
+            _bits(out[:, full:]).copy_(_bits(cache)[block, :, offset].transpose(0, 1))
 
-    def scatter(self, cache, slots, kv):
-        block, offset = slots // self.g.block_size, slots % self.g.block_size
-        _bits(cache)[block, :, offset] = _bits(kv).transpose(0, 1)
+    def _scatter(self, cache, plan, kv):
+        full, n = plan.full, plan.blocks.shape[0]
+        kv = kv.contiguous()
+        for part in range(2):
+            if n:
+                rows, values = _row_pair(cache, 2 * cache.shape[0], kv[part, :full], n)
+                rows.view(cache.shape[0], 2, -1)[:, part].index_copy_(0, plan.blocks, values)
+        if plan.tail.shape[0]:
+            block, offset = plan.split(self.g.block_size)
+            _bits(cache)[block, :, offset] = _bits(kv[:, full:]).transpose(0, 1)
 
 
-class MLALayout(KVLayout):
+class MLALayout(_BlockwiseLayout):
+    """[blocks, block_size, head_size]: one latent per token, a block is one contiguous row."""
+
     name = "mla"
     kv_parts = 1
     blocks_dim = 0
@@ -216,16 +410,60 @@ class MLALayout(KVLayout):
     def cache_shape(cls, num_blocks, g):
         return (num_blocks, g.block_size, g.head_size)  # vLLM assumes kv_heads == 1
 
-    def gather(self, cache, slots, out=None):
-        flat = _bits(cache).view(-1, cache.shape[-1])
-        if out is None:
-            return flat.index_select(0, slots).view(cache.dtype).view(1, -1, 1, cache.shape[-1])
-        torch.index_select(flat, 0, slots, out=_bits(out).view(-1, cache.shape[-1]))
-        return out
+    def _gather(self, cache, plan, out):
+        self._move(cache, plan, out[0], gather=True)
 
-    def scatter(self, cache, slots, kv):
-        flat = _bits(cache).view(-1, cache.shape[-1])
-        flat.index_copy_(0, slots, _bits(kv).reshape(-1, cache.shape[-1]))
+    def _scatter(self, cache, plan, kv):
+        self._move(cache, plan, kv[0].contiguous(), gather=False)
+
+    def _move(self, cache, plan, tokens, gather: bool):
+        full, n, tail = plan.full, plan.blocks.shape[0], plan.tail.shape[0]
+        for index, count, cache_rows, part in ((plan.blocks, n, cache.shape[0], tokens[:full]),
+                                               (plan.tail, tail, cache.shape[0] * self.g.block_size,
+                                                tokens[full:])):
+            if not count:
+                continue
+            rows, token_rows = _row_pair(cache, cache_rows, part, count)
+            if gather:
+                torch.index_select(rows, 0, index, out=token_rows)
+            else:
+                rows.index_copy_(0, index, token_rows)
+
+
+class SharedGathers:
+    """One send step's gathered KV, shared by the FSConnector children of a MultiConnectorV0.
+
+    Every FS child stores the same token-major KV of a request; the first
+    that needs it gathers it from the paged cache, the others get that
+    tensor (sends only read it). Keyed by the layout and geometry, the
+    caches and the slots' values, so a child that sends another input (the
+    transfer child's pre-recv prompt) gathers its own. Tensors are kept
+    until `start_step` (the multi connector calls it before each send), in
+    buffers reused from step to step; a child that is not an FSConnector
+    gets the paged caches as always.
+    """
+
+    def __init__(self):
+        self._buffers = GatherBuffers()
+        self._kv: dict[tuple, torch.Tensor] = {}
+        self.gathers = 0  # gathers done since the last start_step (tests read it)
+
+    def start_step(self) -> None:
+        self._kv.clear()
+        self._buffers.start_step()
+        self.gathers = 0
+
+    def gather(self, layout: KVLayout, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+        first = kv_caches[0]
+        key = (type(layout), layout.g, len(kv_caches), first.data_ptr(), first.dtype, first.device,
+               tuple(slots.tolist()))
+        kv = self._kv.get(key)
+        if kv is None:
+            shape = layout.layers_shape(len(kv_caches), slots.shape[0])
+            kv = layout.gather_layers(kv_caches, slots, out=self._buffers.take(shape, first))
+            self._kv[key] = kv
+            self.gathers += 1
+        return kv
 
 
 # Backend name (AttentionBackend.get_name() in vLLM 0.9.2) -> adapter, from each

@@ -20,6 +20,12 @@ Fan-out rule: **receive from the first child that serves, send to all.**
   rebuilt the input to prefill only the uncached suffix.
 - Children get the same KV and hidden-state objects; the contract is that a
   connector's send reads them and never writes (checked in tests).
+- One gather per step: when two or more sending children are FSConnectors,
+  they share one `SharedGathers` for the step, so a request's KV is
+  gathered from the paged cache once and the same token-major tensor is
+  saved by each (each child still logs its own ``KV send DONE``, with
+  ``gather_ms`` its own share: ~0 when it reused another's gather). Any
+  other child gets the paged caches through the plain V0 API.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch
 from connectors.config import topology
 from connectors.config.validate import ConfigError, validate_kv_transfer_config
 from connectors.v0.batch import split_prefills
+from connectors.v0.kv_layout import SharedGathers
 from connectors.logs import get_logger
 from connectors.registry import registered_connectors
 from vllm.config import KVTransferConfig
@@ -74,18 +81,27 @@ class MultiConnectorV0(KVConnectorBase):
         except ConfigError as e:
             logger.error("MultiConnectorV0: invalid --kv-transfer-config:\n%s", e)
             raise
-        self.children: list[Child] = []
+        self._use_children([])
         try:
             for spec in topology.children(as_dict):
                 self.children.append(self._build_child(spec, rank, local_rank, config))
         except BaseException:
             self.close()
             raise
-        self._input_before_recv = None
+        self._use_children(self.children)
         logger.info("MultiConnectorV0 ready: %s", ", ".join(
             f"[{c.index}] {c.name} ({'transfer, ' if c.transfer else ''}"
             f"{'send' if c.is_producer else ''}{'+' if c.is_producer and c.is_consumer else ''}"
             f"{'recv' if c.is_consumer else ''})" for c in self.children))
+
+    def _use_children(self, children: list[Child]) -> None:
+        """Run these children (built ones; tests hand in their own)."""
+        self.children = children
+        self._input_before_recv = None
+        # Sending children that take a shared gather (FSConnectors): one gather per step for all.
+        sharing = [c for c in children if c.is_producer and hasattr(c.connector, "shared_gathers")]
+        self._sharing = sharing if len(sharing) > 1 else []
+        self._gathers = SharedGathers() if self._sharing else None
 
     @staticmethod
     def _build_child(spec: topology.Child, rank, local_rank, config) -> Child:
@@ -121,6 +137,23 @@ class MultiConnectorV0(KVConnectorBase):
                                          hidden_or_intermediate_states) -> None:
         original = self._input_before_recv
         self._input_before_recv = None  # one step only: never reuse a stale input
+        if self._gathers is None:
+            self._send_children(model_executable, model_input, kv_caches, hidden_or_intermediate_states,
+                                original)
+            return
+        self._gathers.start_step()
+        for child in self._sharing:
+            child.connector.shared_gathers = self._gathers
+        try:
+            self._send_children(model_executable, model_input, kv_caches, hidden_or_intermediate_states,
+                                original)
+        finally:
+            for child in self._sharing:
+                child.connector.shared_gathers = None
+            self._gathers.start_step()  # drop this step's tensors now, not at the next step
+
+    def _send_children(self, model_executable, model_input, kv_caches, hidden_or_intermediate_states,
+                       original) -> None:
         transfer_args = None
         for child in self.children:
             if not child.is_producer:

@@ -2,16 +2,20 @@
 
 What FSConnector does per request, timed as best of N after a warm-up:
 
-    gather   every layer's KV of the request's slots -> one [layers, 2, tokens,
-             kv_heads, head_size] tensor, the entry it saves (the layout's
-             gather_layers when it has one, else torch.stack of per-layer gathers)
-    scatter  that tensor back into every layer's slots
+    gather   every layer's KV of the request's slots -> one [layers, kv_parts,
+             tokens, kv_heads, head_size] tensor, the entry it saves (the
+             layout's gather_layers into a GatherBuffers buffer, as FSConnector
+             calls it: the buffer is reused from one step to the next)
+    scatter  that tensor back into every layer's slots (scatter_layers)
 
 against `dst.copy_(src)` of the same bytes between two preallocated
-contiguous tensors (the memory's own limit). Layouts: vLLM V0's
-PagedAttention (the CPU backend's) and FlashAttention. The slots of a
-request lie in blocks drawn from a shuffled block table twice the size the
-request needs, as a busy server's would. On CUDA when torch sees a GPU.
+contiguous tensors (the memory's own limit). Layouts: every V0 layout we
+ship: PagedAttention (the CPU backend's), FlashAttention, FlashInfer and
+MLA (one latent per token, `mla_head_size` wide). The slots of a request
+lie in blocks drawn from a shuffled block table twice the size the request
+needs, as a busy server's would. On CUDA when torch sees a GPU.
+`gather_fresh_s` (raw, no ratio) is the gather into a new tensor each time:
+the gap to `gather_s` is what reusing the buffer saves (page faults).
 
 CPU runs use 1 intra-op thread by default: on a shared 2-core machine two
 OpenMP threads wait on each other whenever one is descheduled, which made
@@ -26,23 +30,32 @@ import sys
 
 import torch
 
-from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, KVLayout, PagedAttentionLayout
+from connectors.v0.kv_layout import (CacheGeometry, FlashAttentionLayout, FlashInferLayout, GatherBuffers,
+                                     KVLayout, MLALayout, PagedAttentionLayout)
 from kvctl.bench.common import Progress, best_of, gbps, rig_main, speed_ratio
 
 LAYOUTS: dict[str, type[KVLayout]] = {
     "paged_attention": PagedAttentionLayout,
     "flash_attn": FlashAttentionLayout,
+    "flashinfer": FlashInferLayout,
+    "mla": MLALayout,
 }
+MLA_HEAD_SIZE = 576  # DeepSeek-V2/V3's latent: 512 + 64 rope dims
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def make_caches(name: str, g: CacheGeometry, layers: int, num_blocks: int, dtype, device) -> list:
     """One cache per layer in the layout's vLLM 0.9.2 shape (filled: untouched pages fault)."""
-    if name == "paged_attention":
-        shape = (2, num_blocks, g.block_size * g.kv_heads * g.head_size)
-    else:
-        shape = (2, num_blocks, g.block_size, g.kv_heads, g.head_size)
+    shape = LAYOUTS[name].cache_shape(num_blocks, g)
     return [torch.full(shape, 0.5, dtype=dtype, device=device) for _ in range(layers)]
+
+
+def layout_geometry(name: str, p: dict) -> CacheGeometry:
+    """The bench's shape for a layout: MLA keeps one latent of `mla_head_size` per token."""
+    if LAYOUTS[name].kv_parts == 1:
+        return CacheGeometry(block_size=p["block_size"], kv_heads=1,
+                             head_size=int(p.get("mla_head_size", MLA_HEAD_SIZE)))
+    return CacheGeometry(block_size=p["block_size"], kv_heads=p["kv_heads"], head_size=p["head_size"])
 
 
 def request_slots(tokens: int, block_size: int, num_blocks: int, gen: torch.Generator) -> torch.Tensor:
@@ -58,33 +71,34 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_one(name: str, tokens: int, p: dict, device: torch.device, progress: Progress) -> dict:
-    g = CacheGeometry(block_size=p["block_size"], kv_heads=p["kv_heads"], head_size=p["head_size"])
+    g = layout_geometry(name, p)
     dtype, layers, repeat = DTYPES[p["dtype"]], p["layers"], p["repeat"]
     num_blocks = 2 * -(-tokens // g.block_size) + 1
     gen = torch.Generator().manual_seed(tokens)
     slots = request_slots(tokens, g.block_size, num_blocks, gen).to(device)
     layout = LAYOUTS[name](g)
     caches = make_caches(name, g, layers, num_blocks, dtype, device)
-    shape = (layers, 2, tokens, g.kv_heads, g.head_size)
+    shape = layout.layers_shape(layers, tokens)
     # A cheap pattern, not randn (which was ~15% of the bench's own py-spy samples):
     # 1021 is prime, so a misplaced row still fails the check below.
     src = (torch.arange(math.prod(shape), dtype=torch.int32) % 1021).to(dtype).view(shape).to(device)
     dst = torch.empty_like(src)
+    nbytes = src.numel() * src.element_size()
+
+    buffers = GatherBuffers(max_bytes=2 * nbytes)
 
     def gather():
-        if hasattr(layout, "gather_layers"):
-            out = layout.gather_layers(caches, slots)
-        else:  # what FSConnector does with a kv_layout that has no gather_layers
-            out = torch.stack([layout.gather(cache, slots) for cache in caches])
+        buffers.start_step()
+        out = layout.gather_layers(caches, slots, out=buffers.take(shape, caches[0]))
         _sync(device)
         return out
 
+    def gather_fresh():
+        layout.gather_layers(caches, slots)
+        _sync(device)
+
     def scatter():
-        if hasattr(layout, "scatter_layers"):
-            layout.scatter_layers(caches, slots, src)
-        else:
-            for cache, layer_kv in zip(caches, src):
-                layout.scatter(cache, slots, layer_kv)
+        layout.scatter_layers(caches, slots, src)
         _sync(device)
 
     def memcpy():
@@ -95,11 +109,11 @@ def bench_one(name: str, tokens: int, p: dict, device: torch.device, progress: P
     if not torch.equal(gather(), src):
         raise RuntimeError(f"{name}: gather after scatter returned other data ({tokens} tokens)")
     times = {"memcpy_s": best_of(memcpy, repeat), "gather_s": best_of(gather, repeat),
-             "scatter_s": best_of(scatter, repeat)}
-    nbytes = src.numel() * src.element_size()
+             "scatter_s": best_of(scatter, repeat), "gather_fresh_s": best_of(gather_fresh, repeat)}
     progress(f"layout {name} {tokens} tokens: gather {times['gather_s'] * 1e3:.1f} ms, "
              f"scatter {times['scatter_s'] * 1e3:.1f} ms, memcpy {times['memcpy_s'] * 1e3:.1f} ms")
-    return {"layout": name, "tokens": tokens, "bytes": nbytes, **times,
+    return {"layout": name, "tokens": tokens, "bytes": nbytes,
+            "geometry": {"kv_heads": g.kv_heads, "head_size": g.head_size}, **times,
             "gather_gbps": gbps(nbytes, times["gather_s"]),
             "scatter_gbps": gbps(nbytes, times["scatter_s"]),
             "memcpy_gbps": gbps(nbytes, times["memcpy_s"]),

@@ -20,7 +20,8 @@ STORE_QUICK_MB = [1.0, 8.0]
 LAYOUT_TOKENS = [1024, 2048, 4096]
 LAYOUT_QUICK_TOKENS = [256, 1024]
 LAYOUT_THREADS = 1  # torch intra-op threads on CPU; 2 contended threads stall each other
-LAYOUT_SHAPE = {"layers": 32, "kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": "bfloat16"}
+LAYOUT_SHAPE = {"layers": 32, "kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": "bfloat16",
+                "mla_head_size": 576}  # MLA: one latent per token (DeepSeek-V2/V3)
 TTFT_TOKENS = [512, 1024, 2048]
 TTFT_QUICK_TOKENS = [256, 512]
 REPEAT = 3  # best of N
