@@ -7,12 +7,21 @@ SDK all answer what P alone generates (the baseline); each P and each D
 served at least one of them (the router's `routed ... prefill=NAME
 decode=NAME` lines and its X-Kvctl-* headers agree), each D from the store;
 `logs NAME` reads one instance; `down` stops all five processes.
+
+`kvctl verify` through the endpoint follows each request to the P and D the
+router's headers name (their logs hold its send and skip lines, and the
+router's own log agrees) and counts the requests each instance served; with
+decode-1 frozen (SIGSTOP: the router marks it unhealthy and skips it), the
+requests still pass but the run fails naming decode-1.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -99,6 +108,84 @@ def test_requests_through_the_endpoint_reach_every_instance_and_match_the_baseli
     for request_id, p, d in served:
         assert request_id in Path(inst[p]["log_path"]).read_text()
         assert request_id in Path(inst[d]["log_path"]).read_text()
+
+
+VERIFY_TIMEOUT_S = 900
+VERIFY_PROMPTS = [f"Pool request {i}: which prefill and which decode served me?" for i in range(4)]
+
+
+def _verify(kvctl: Kvctl, *extra: str):
+    args = [a for p in VERIFY_PROMPTS for a in ("--prompt", p)]
+    return kvctl("verify", "--name", "pools", "--max-tokens", "8", *args, *extra, timeout=VERIFY_TIMEOUT_S)
+
+
+def _router_health(state: dict) -> dict[str, bool]:
+    return {i["name"]: i["healthy"]
+            for i in httpx.get(f"{state['endpoint']}/kvctl/instances", timeout=10).json()["instances"]}
+
+
+def _wait_health(state: dict, name: str, healthy: bool, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _router_health(state)[name] is not healthy:
+        assert time.monotonic() < deadline, f"the router never saw {name} healthy={healthy}"
+        time.sleep(0.5)
+
+
+def test_verify_through_the_endpoint_follows_each_request_to_its_instances(cluster):
+    kvctl, state = cluster
+    inst = state["instances"]
+    router_log = Path(state["router"]["log_path"])
+    seen_lines = len(router_log.read_text().splitlines())
+    t0 = time.monotonic()
+    r = _verify(kvctl, "--json")
+    print(f"verify of {len(VERIFY_PROMPTS)} requests through the router: {time.monotonic() - t0:.1f} s")
+    assert r.rc == 0, r
+    doc = json.loads(r.stdout)
+    assert doc["passed"] is True and doc["run_failures"] == [] and doc["instance_notes"] == []
+    assert {n: v["role"] for n, v in doc["instances"].items()} == NAMES
+    assert all(v["served"] >= 1 for v in doc["instances"].values()), doc["instances"]
+    assert sum(v["served"] for v in doc["instances"].values()) == 2 * len(VERIFY_PROMPTS)
+
+    routed = {rec.id: rec for line in router_log.read_text().splitlines()[seen_lines:]
+              if (rec := parse_route_line(line)) is not None}
+    for req in doc["requests"]:
+        assert req["instances_from"] == "headers" and req["passed"], req
+        p, d, key = req["prefill_instance"], req["decode_instance"], req["key"]
+        assert (routed[req["request_id"]].prefill, routed[req["request_id"]].decode) == (p, d)  # router agrees
+        other_p = next(n for n in NAMES if NAMES[n] == "prefill" and n != p)
+        other_d = next(n for n in NAMES if NAMES[n] == "decode" and n != d)
+        p_log, d_log = Path(inst[p]["log_path"]).read_text(), Path(inst[d]["log_path"]).read_text()
+        assert f"KV send DONE. key={key}" in p_log  # (prefill-0 logs it too: the baseline runs there)
+        assert any(key in line for line in d_log.splitlines() if "skip model forwarding" in line)
+        assert key not in Path(inst[other_d]["log_path"]).read_text()
+        assert req["request_id"] in p_log and req["request_id"] in d_log  # one id reached both...
+        for other in (other_p, other_d):  # ...and no other instance
+            assert req["request_id"] not in Path(inst[other]["log_path"]).read_text()
+
+    human = _verify(kvctl)
+    assert human.rc == 0, human
+    assert "requests served: prefill-0" in human.stdout and "decode-1" in human.stdout
+
+
+def test_verify_fails_naming_a_decode_that_never_served(cluster, tmp_path):
+    kvctl, state = cluster
+    pid = state["instances"]["decode-1"]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # decode-1's API server stops answering: its /health times out
+    try:
+        _wait_health(state, "decode-1", False)
+        junit = tmp_path / "verify.xml"
+        r = _verify(kvctl, "--json", "--junit-xml", str(junit))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert r.rc == 1, r
+    doc = json.loads(r.stdout)
+    assert all(req["passed"] for req in doc["requests"]), doc["requests"]  # every request was fine...
+    assert doc["passed"] is False  # ...but one instance of the pool never served
+    assert [(f["check"], f["instance"]) for f in doc["run_failures"]] == [("instance_served", "decode-1")]
+    assert "decode-1 served none of the 4 requests" in doc["run_failures"][0]["reason"]
+    assert doc["instances"]["decode-1"]["served"] == 0 and doc["instances"]["decode-0"]["served"] == 4
+    assert 'type="NeverServed"' in junit.read_text()
+    _wait_health(state, "decode-1", True)  # it answers again once resumed
 
 
 def test_logs_reads_one_instance(cluster):

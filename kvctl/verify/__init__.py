@@ -4,14 +4,16 @@
     checks.py        the four checks per request and their evidence (log text, store files, outputs);
                      `not_observable` for a check whose evidence is out of reach
     report.py        RequestReport and VerifyReport: `kvctl verify --json`'s contract, and
-                     `require` (all | observable): what a check not observable does to the verdict
+                     `require` (all | observable): what a check not observable does to the verdict;
+                     which instance served each request, and `pool_verdict`: a pool member
+                     that served none fails the run
     log_files.py     reading an instance's log (or a pool's logs) from an offset; waiting for a
                      line; `capturing_logs` runs attached instances' `cmd:` log sources meanwhile
     cluster_info.py  what verify needs from a cluster's state (URLs, logs, configs, store), with
                      what is not observable (no log source, store not visible) and why
     prompts.py       the default prompts, prompts files, the empty-prompt check
     verifier.py      the driver: ClusterVerifier (per-request steps, direct or through the
-                     endpoint) and run_verify, the one loop over prompts (concurrency, keep
+                     endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify, the one loop over prompts (concurrency, keep
                      going, expected send children, require)
     load_mode.py     verify under load: generated prompts, throughput and latency figures
     junit.py         JUnit XML from verify reports
