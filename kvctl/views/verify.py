@@ -66,8 +66,18 @@ def _verdict(report: VerifyReport, passed: bool, failed: int, unseen: int) -> Te
 
 
 def _routed(report: VerifyReport) -> bool:
-    """Whether requests went through a router (their instances were named by it or found in logs)."""
-    return any(r.instances_from in (FROM_HEADERS, FROM_LOGS) for r in report.requests)
+    """Whether requests went through a router to instances other than a plain `prefill` and `decode`
+    (a pool's members, or an attached cluster's names): then who served what is worth showing."""
+    return any(r.instances_from in (FROM_HEADERS, FROM_LOGS)
+               and (r.prefill_instance != "prefill" or r.decode_instance != "decode") for r in report.requests)
+
+
+def _short(name: str | None, role: str) -> str:
+    """prefill-1 -> P1, decode-0 -> D0 (a pool member); another name as it is; ? when unknown."""
+    if name is None:
+        return "?"
+    index = name.removeprefix(f"{role}-")
+    return f"{role[0].upper()}{index}" if index != name and index.isdigit() else name
 
 
 def render_instances(report: VerifyReport, console: Console) -> None:
@@ -96,13 +106,16 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
     table.add_column("P s", justify="right")
     table.add_column("D s", justify="right")
     table.add_column("KV bytes", justify="right", no_wrap=True)
+    # which P and which D served each request through the router (a pool's: P1->D0)
     routed = _routed(report)
-    if routed:  # which P and which D served each request (through the router)
-        table.add_column("P", no_wrap=True)
-        table.add_column("D", no_wrap=True)
+    if routed:
+        table.add_column("P->D", no_wrap=True)
+        legend += "  P->D=prefill-N, decode-M that served it"
+        table.caption = legend
     for i, r in enumerate(report.requests):
         marks = [_mark(r.check(n)) for n in CHECKS]
-        served = (r.prefill_instance or "?", r.decode_instance or "?") if routed else ()
+        served = ((f"{_short(r.prefill_instance, 'prefill')}->{_short(r.decode_instance, 'decode')}",)
+                  if routed else ())
         table.add_row(str(i + 1), str(r.prompt_tokens), r.key[:8] or "-", *marks,
                       _secs(r.prefill_latency_s), _secs(r.decode_latency_s),
                       f"{r.transfer_bytes:,}" if r.transfer_bytes is not None else "-", *served)
