@@ -8,6 +8,10 @@ Modules:
     ttft.py     no torch: real vLLM servers, decode TTFT with KV loaded vs recomputed
     report.py   no torch: the result object (ratios, goals) and the README markdown table
     suite.py    the entry points the CLI calls: run_store / run_layout / run_ttft / run_all
+    serve.py    no torch: `vllm bench serve` (a subprocess) against the P/D endpoint and a
+                plain vLLM server, side by side; the store fraction from D's logs
+    faults.py   no torch: kill -9 one instance of a pool under load through the router
+                (failed requests, recovery time, wrong answers); `python -m kvctl.bench.faults`
 
 The rich tables are kvctl.views.bench; only the rig-side entry points print (their JSON).
 
@@ -20,7 +24,8 @@ multi overhead) say so in their name's definition: lower is better. A
 headline ratio is the worst case over the sizes measured; `ratios_by_size`
 has each size.
 
-May import: `kvctl.cluster`, `kvctl.runtime`, `kvctl.provision`, `kvctl.verify.markers`,
+May import: `kvctl.cluster`, `kvctl.runtime`, `kvctl.provision`, `kvctl.verify` (markers,
+cluster_info, log_files, load_mode's prompts),
 `kvctl.client`, `kvctl.subprocesses`, `kvctl.errors`, `kvctl.paths`; store.py and
 layout.py also torch, numpy, safetensors and `connectors` (they run in the rig),
 and common.py is imported there too, so it stays torch-free and light. Never a

@@ -1,4 +1,4 @@
-"""`kvctl bench store|layout|ttft|all`: side-by-side performance ratios."""
+"""`kvctl bench store|layout|ttft|all|serve`: side-by-side performance ratios."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from kvctl.bench import report, suite
+from kvctl.bench import report, serve, suite
 from kvctl.bench.common import check_repeat, parse_sizes
 from kvctl.errors import BadInput
 from kvctl.options import json_option
 from kvctl.views.bench import progress_printer, render_results
+from kvctl.views.bench_serve import render_serve
 from kvctl.views.output import Output
 
 bench_app = typer.Typer(
@@ -109,3 +110,57 @@ def all_cmd(
         markdown.write_text(report.markdown(results, suite.README_COMMAND))
         out.info(f"wrote {escape(str(markdown))}")
     render_results(out, results)
+
+
+@bench_app.command("serve")
+def serve_cmd(
+    cluster: Optional[str] = typer.Argument(None, metavar="[NAME]", help="Cluster name (default: 'default'; "
+                                            "--name works too)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Cluster name (the same as NAME)."),
+    requests: int = typer.Option(serve.REQUESTS, "--requests", help="Requests sent to each target."),
+    concurrency: Optional[int] = typer.Option(serve.CONCURRENCY, "--concurrency",
+                                              help="Requests in flight at once (0: no cap; then give "
+                                                   "--request-rate)."),
+    request_rate: Optional[float] = typer.Option(None, "--request-rate", help="Requests per second "
+                                                 "(Poisson arrivals; default: as fast as the concurrency allows)."),
+    input_len: int = typer.Option(serve.INPUT_LEN, "--input-len", help="Prompt tokens (random prompts, the same "
+                                  "for both targets)."),
+    output_len: int = typer.Option(serve.OUTPUT_LEN, "--output-len", help="Tokens generated per request."),
+    plain_url: Optional[str] = typer.Option(None, "--plain-url", help="An existing plain vLLM server (same model, "
+                                            "no KV transfer) instead of launching one: needed for attached and "
+                                            "docker clusters."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="The model dir the load tool tokenizes "
+                                             "with (default: the cluster's model; attached clusters may need it)."),
+    seed: int = typer.Option(serve.SEED, "--seed", help="Seed of the random prompts."),
+    timeout: float = typer.Option(serve.TIMEOUT_S, "--timeout", help="Seconds one target's load run may take."),
+    json_out: bool = json_option("Print one JSON object on stdout (top-level \"ratios\": pd / plain, and the "
+                                 "\"pd\" and \"plain\" figures)."),
+) -> None:
+    """A real load tool against the P/D endpoint and a plain vLLM server.
+
+    Both targets get the same seeded random prompts: (a) the cluster's
+    endpoint (its router: P, the store, then D) and (b) one plain vLLM
+    server with the same model and no KV transfer, launched from the
+    cluster's rig and engine and always stopped afterwards (or --plain-url,
+    which attached and docker clusters need). Reported side by side: TTFT
+    and inter-token latency p50/p99, requests/s, and the fraction of P/D
+    requests D served from the store (from D's logs; null with the reason
+    when an attached cluster's logs are out of reach). Ratios are
+    pd / plain: below 1 is faster for times, above 1 for requests/s.
+    The load tool is vLLM's own `vllm bench serve`, run from the rig: it is
+    installed wherever a cluster can run (no new dependency, unlike guidellm
+    or aiperf), speaks the vLLM API the router serves, and saves every
+    figure as JSON.
+    """
+    out = Output(json_mode=json_out)
+    if cluster is not None and name is not None and cluster != name:
+        raise BadInput(f"two cluster names given: {cluster!r} and --name {name!r}", where="NAME / --name",
+                       fix="name the cluster once")
+    opts = serve.ServeOptions(requests=requests, concurrency=concurrency or None, request_rate=request_rate,
+                              input_len=input_len, output_len=output_len, plain_url=plain_url,
+                              tokenizer=tokenizer, seed=seed, timeout_s=timeout)
+    if concurrency is not None and concurrency < 0:
+        raise BadInput(f"concurrency must be 0 or more, got {concurrency}", where="--concurrency",
+                       fix=f"pass e.g. {serve.CONCURRENCY} (0: no cap, with --request-rate)")
+    result = serve.run_serve_bench(cluster or name or "default", opts, progress_printer(out))
+    render_serve(out, result)
