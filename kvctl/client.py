@@ -107,6 +107,24 @@ class VLLMClient:
                           prompt_tokens=(data.get("usage") or {}).get("prompt_tokens"),
                           finish_reason=choice.get("finish_reason"), raw=data, headers=answer)
 
+    def complete_tokens(self, prompt: list[int], max_tokens: int) -> ChatResult:
+        """One non-streaming greedy /v1/completions on prompt token ids (no chat template,
+        no tokenizer pass); latency is the whole HTTP round trip."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        start = time.perf_counter()
+        data = self._json("POST", "/v1/completions", body)
+        latency = time.perf_counter() - start
+        try:
+            choice = data["choices"][0]
+            text = choice.get("text") or ""
+        except (KeyError, IndexError, TypeError, AttributeError):
+            raise RuntimeFailure(f"{self.role} returned a completion without a choice",
+                                 where=f"{self.base_url}/v1/completions", details=str(data)[:500]) from None
+        return ChatResult(text=text, token_ids=None, token_strs=None, latency_s=latency,
+                          request_id=str(data.get("id", "")),
+                          prompt_tokens=(data.get("usage") or {}).get("prompt_tokens"),
+                          finish_reason=choice.get("finish_reason"), raw=data)
+
     def _json(self, method: str, path: str, body: dict, headers: dict[str, str] | None = None,
               answer: dict[str, str] | None = None) -> dict:
         resp = self._request(method, path, json=body, headers=headers)

@@ -21,10 +21,11 @@ STORE_RATIOS = ("save_vs_raw_write", "load_vs_raw_read", "save_fsync_vs_raw_writ
                 "load_vs_per_layer_safetensors", "save_vs_seed_safetensors",
                 "load_vs_seed_safetensors", "save_vs_torch_save", "load_vs_torch_save",
                 "save_vs_best_peer", "load_vs_best_peer")
-LAYOUT_RATIOS = ("gather_vs_memcpy", "scatter_vs_memcpy", "gather_vs_memcpy_paged_attention",
-                 "gather_vs_memcpy_flash_attn", "scatter_vs_memcpy_paged_attention",
-                 "scatter_vs_memcpy_flash_attn")
-TTFT_RATIOS = ("ttft_transfer_vs_recompute", "multi_overhead")
+LAYOUTS = ("paged_attention", "flash_attn", "flashinfer", "mla")
+LAYOUT_RATIOS = ("gather_vs_memcpy", "scatter_vs_memcpy",
+                 *(f"{r}_{layout}" for layout in LAYOUTS for r in ("gather_vs_memcpy", "scatter_vs_memcpy")))
+TTFT_RATIOS = ("ttft_transfer_vs_recompute", "ttft_transfer_vs_floor", "multi_overhead",
+               "multi_send_vs_gather_once")
 
 
 def _check_ratios(doc: dict, names: tuple[str, ...]) -> None:
@@ -60,8 +61,10 @@ def test_layout_bench_smoke(kvctl, rig_python):
     doc = json.loads(r.stdout)
     _check_ratios(doc, LAYOUT_RATIOS)
     cases = doc["raw"]["cases"]
-    assert {c["layout"] for c in cases} == {"paged_attention", "flash_attn"}
-    assert all(c["tokens"] == 40 and c["bytes"] == 32 * 2 * 40 * 8 * 128 * 2 for c in cases)
+    assert {c["layout"] for c in cases} == set(LAYOUTS)
+    assert all(c["tokens"] == 40 and c["bytes"] == 32 * 2 * 40 * 8 * 128 * 2 for c in cases
+               if c["layout"] != "mla")
+    assert [c["bytes"] for c in cases if c["layout"] == "mla"] == [32 * 40 * 576 * 2]  # one latent
     assert doc["raw"]["device"] == "cpu"
 
 

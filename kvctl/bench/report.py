@@ -32,11 +32,19 @@ DEFINITIONS: dict[str, tuple[bool, str]] = {
     "ttft_transfer_vs_recompute": (False, "D's TTFT with the KV loaded / D's TTFT recomputing the prefill"),
     "multi_overhead": (False, "children's sends as MultiConnectorV0 timed them / their own times "
                                 "(store write, plus gather where FSConnector logs gather_ms)"),
+    "multi_send_vs_gather_once": (False, "P's whole multi send per request (children's sends as "
+                                         "MultiConnectorV0 timed them) / (one gather + the children's "
+                                         "store writes)"),
+    "ttft_transfer_vs_floor": (False, "D's TTFT with the KV loaded / D's TTFT for a 1-token prompt "
+                                      "(same server, max_tokens=1)"),
 }
 GOALS: dict[str, dict[str, float]] = {
     "store": {"save_vs_raw_write": 0.8, "load_vs_raw_read": 0.8,
               "save_vs_best_peer": 1.0, "load_vs_best_peer": 1.0,
               "save_vs_per_layer_safetensors": 1.0, "load_vs_per_layer_safetensors": 1.0},
+    "layout": {"gather_vs_memcpy": 0.5, "scatter_vs_memcpy": 0.5},
+    "ttft": {"ttft_transfer_vs_recompute": 0.2, "ttft_transfer_vs_floor": 1.5, "multi_overhead": 1.05,
+             "multi_send_vs_gather_once": 1.05},
 }
 
 
@@ -113,7 +121,8 @@ def machine_line(m: dict) -> str:
 README_RATIOS = ("save_vs_raw_write", "load_vs_raw_read", "save_fsync_vs_raw_write_fsync",
                  "save_vs_per_layer_safetensors", "load_vs_per_layer_safetensors",
                  "save_vs_best_peer", "load_vs_best_peer", "gather_vs_memcpy", "scatter_vs_memcpy",
-                 "ttft_transfer_vs_recompute", "multi_overhead")
+                 "ttft_transfer_vs_recompute", "ttft_transfer_vs_floor", "multi_overhead",
+                 "multi_send_vs_gather_once")
 
 
 def markdown(results: list[dict], command: str) -> str:

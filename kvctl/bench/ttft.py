@@ -13,10 +13,15 @@ For each prompt length, each repeat uses two fresh prompts of that length:
                 KV and skips its prefill (checked in D's log).
     recompute   D answers a prompt nobody has stored: a miss, then a full prefill.
 
+    floor       D answers a 1-token prompt (token ids through /v1/completions):
+                nothing to load and one token to compute, the least a
+                request costs on that server.
+
 TTFT is the whole max_tokens=1 HTTP round trip on D. Order alternates per
 repeat; the best of N counts; one untimed round at the smallest length warms
 both servers up. `ttft_transfer_vs_recompute` = transfer TTFT / recompute
-TTFT (a time ratio: lower is better).
+TTFT; `ttft_transfer_vs_floor` = transfer TTFT / floor TTFT (both time
+ratios: lower is better; the headline is the worst size, the largest).
 
 Multi overhead comes from P's log: per request, MultiConnectorV0 logs each
 child's whole send (`sent to connector X (child i, ms)`) and each FSConnector
@@ -25,6 +30,12 @@ of the children's send times as the multi connector measured them / the sum
 of the children's own times (a time ratio: 1.0 = nothing added). A child's
 own time is its store write (`ms=`) plus its gather from the paged cache
 when it logs `gather_ms=`; without that the gap also holds the gather.
+`multi_send_vs_gather_once` = the same sum of the children's sends / (one
+gather + the children's store writes): the cost of the KV leaving P's paged
+cache once and landing in every child's store. One gather is the largest
+`gather_ms` a child logged for the request (a child that reused another's
+gather logs ~0), so a multi connector that gathers per child pays the
+extra gathers in the numerator only.
 """
 
 from __future__ import annotations
@@ -196,11 +207,17 @@ class _Run:
                 "child_ms": sum(step.child_ms.values()) if step else None,
                 "store_ms": sum(step.store_ms.values()) if step and step.store_ms else None,
                 "gather_ms": sum(step.gather_ms.values()) if step and step.gather_ms else None,
+                "gather_once_ms": max(step.gather_ms.values()) if step and step.gather_ms else None,
                 "children": len(step.child_ms) if step else 0}
 
     def recompute(self, prompt: Prompt) -> dict:
         d = self.d.chat(user_messages(prompt.text), max_tokens=1)
         return {"ttft_s": d.latency_s}
+
+    def floor(self, token_id: int) -> dict:
+        """D's TTFT for a 1-token prompt: nothing in the store, one token to compute."""
+        d = self.d.complete_tokens([token_id], max_tokens=1)
+        return {"ttft_s": d.latency_s, "prompt_tokens": d.prompt_tokens}
 
 
 def _log_tails(state, lines: int = LOG_TAIL_LINES) -> str:
@@ -216,34 +233,48 @@ def _best(values) -> float | None:
     return min(values) if values else None
 
 
-def bench_size(run: _Run, target: int, repeat: int, nonce: str) -> dict:
+FLOOR_TRIES = 3  # 1-token requests per round: cheap, and the floor is the noisiest figure
+
+
+def bench_size(run: _Run, target: int, repeat: int, nonce: str, floor_token: int) -> dict:
     rounds = []
     for r in range(repeat):
         sent = fit_prompt(run.p, target, f"{nonce} t {target} {r}")
         fresh = fit_prompt(run.p, target, f"{nonce} r {target} {r}")
         if r % 2 == 0:
             t, c = run.transfer(sent), run.recompute(fresh)
+            f = [run.floor(floor_token) for _ in range(FLOOR_TRIES)]
         else:
+            f = [run.floor(floor_token) for _ in range(FLOOR_TRIES)]
             c, t = run.recompute(fresh), run.transfer(sent)
+        floor = min(f, key=lambda x: x["ttft_s"])
         rounds.append({"tokens": sent.tokens, "recompute_tokens": fresh.tokens, "transfer": t,
-                       "recompute": c})
+                       "recompute": c, "floor": floor})
         run.progress(f"ttft {target} tokens, round {r + 1}/{repeat}: transfer "
-                     f"{t['ttft_s'] * 1e3:.0f} ms, recompute {c['ttft_s'] * 1e3:.0f} ms")
+                     f"{t['ttft_s'] * 1e3:.0f} ms, recompute {c['ttft_s'] * 1e3:.0f} ms, "
+                     f"1-token floor {floor['ttft_s'] * 1e3:.0f} ms")
     tt = _best(x["transfer"]["ttft_s"] for x in rounds)
     tr = _best(x["recompute"]["ttft_s"] for x in rounds)
+    tf = _best(x["floor"]["ttft_s"] for x in rounds)
     child = _best(x["transfer"]["child_ms"] for x in rounds)
     store = _best(x["transfer"]["store_ms"] for x in rounds)
     own = _best(x["transfer"]["store_ms"] + x["transfer"]["gather_ms"] for x in rounds
                 if x["transfer"]["store_ms"] is not None and x["transfer"]["gather_ms"] is not None)
-    ratios = {"ttft_transfer_vs_recompute": tt / tr}
+    once = _best(x["transfer"]["store_ms"] + x["transfer"]["gather_once_ms"] for x in rounds
+                 if x["transfer"]["store_ms"] is not None and x["transfer"]["gather_once_ms"] is not None)
+    ratios = {"ttft_transfer_vs_recompute": tt / tr, "ttft_transfer_vs_floor": tt / tf}
     if child is not None and (own or store):
         ratios["multi_overhead"] = child / (own or store)
+    if child is not None and once:
+        ratios["multi_send_vs_gather_once"] = child / once
     return {"target_tokens": target, "tokens": rounds[0]["tokens"],
-            "ttft_transfer_s": tt, "ttft_recompute_s": tr,
+            "ttft_transfer_s": tt, "ttft_recompute_s": tr, "ttft_floor_s": tf,
+            "floor_prompt_tokens": rounds[0]["floor"]["prompt_tokens"],
             "p_latency_s": _best(x["transfer"]["p_s"] for x in rounds),
             "d_load_ms": _best(x["transfer"]["load_ms"] for x in rounds),
             "multi_children_send_ms": child, "children_store_ms": store,
             "children_gather_ms": _best(x["transfer"]["gather_ms"] for x in rounds),
+            "gather_once_ms": _best(x["transfer"]["gather_once_ms"] for x in rounds),
             "multi_overhead_basis": "store write + gather" if own else "store write only",
             "first_token_match": all(x["transfer"]["first_token_match"] is not False for x in rounds),
             "ratios": ratios, "rounds": rounds}
@@ -287,8 +318,10 @@ def run(model: Path, sizes: list[int], repeat: int, progress: Progress = quiet,
             warm = min(sizes)  # first requests pay one-off costs; best-of-N covers the rest
             bench.transfer(fit_prompt(bench.p, warm, f"{nonce} warm t"))
             bench.recompute(fit_prompt(bench.p, warm, f"{nonce} warm r"))
+            floor_token = bench.p.tokenize_chat(user_messages("hello"))[-1]
+            bench.floor(floor_token)
             progress(f"ttft: warmed up at {warm} tokens")
-            results = [bench_size(bench, t, repeat, nonce) for t in sizes]
+            results = [bench_size(bench, t, repeat, nonce, floor_token) for t in sizes]
         except KvctlError as e:  # the cluster dir (logs included) goes at teardown: keep the tails
             e.details = "\n".join(filter(None, [e.details, _log_tails(state)]))
             raise
