@@ -33,6 +33,13 @@ module, `kv_load_failure_policy`, no `kv_rank`/`kv_ip`...), V1's connector
 names, and vLLM's own `MultiConnector`, whose `connectors` list holds full
 configs, each with its own `kv_role` (loads from the first child that has the
 tokens, saves to all). `required_engine` says which engine a config needs.
+
+MultiConnector (V1) follows the same child rules, except that the parent's
+role gates nothing (V1 runs each child by its own role, so a child's role is
+never "unreachable"); "transfer": true still marks the FS child kvctl reads.
+Warnings: a child that receives before the FSConnector transfer child on D
+(V1 would load from it first), an ExampleConnector writing into an
+FSConnector child's store.
 """
 
 from __future__ import annotations
