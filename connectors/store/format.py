@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import errno
 import hashlib
 import json
@@ -129,8 +130,7 @@ class KVIdentity:
     tp_size: int = 1
 
     def canonical(self) -> bytes:
-        fields = dict(asdict(self), format=FORMAT_NAME, version=FORMAT_VERSION)
-        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+        return _canonical(self)
 
     @classmethod
     def from_metadata(cls, meta: dict) -> "KVIdentity":
@@ -154,6 +154,13 @@ class KVIdentity:
         if counts["tp_rank"] >= counts["tp_size"]:
             raise ValueError(f"identity tp_rank {counts['tp_rank']} is not below tp_size {counts['tp_size']}")
         return cls(model=model, dtype=dtype, **counts)
+
+
+@functools.lru_cache(maxsize=64)
+def _canonical(identity: KVIdentity) -> bytes:
+    """KVIdentity.canonical, computed once per identity (every save and load hashes it)."""
+    fields = dict(asdict(identity), format=FORMAT_NAME, version=FORMAT_VERSION)
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _count(meta: dict, name: str) -> int:
@@ -369,27 +376,40 @@ class TensorBlob:
 
 def build_header(identity: KVIdentity, blobs: dict[str, TensorBlob], data_checksum: str,
                  created: float | None = None) -> bytes:
-    """The safetensors header (JSON, space-padded to 8 bytes) for an entry."""
-    header: dict[str, object] = {}
+    """The safetensors header (JSON, space-padded to 8 bytes) for an entry.
+
+    The same bytes as `json.dumps(header, separators=(",", ":"))` of the
+    records and `__metadata__` (identity fields, format, version, num_tokens,
+    checksum, created), built from a per-identity prefix: a save's fixed cost.
+    """
+    parts = []
     offset = 0
     for name in TENSOR_ORDER:
         blob = blobs[name]
+        nbytes = blob.nbytes
         expected = DTYPE_SIZES[blob.dtype]
         for dim in blob.shape:
             expected *= dim
-        if expected != blob.nbytes:
-            raise ValueError(f"tensor {name}: {blob.nbytes} bytes for shape {blob.shape} {blob.dtype}")
-        header[name] = {"dtype": blob.dtype, "shape": list(blob.shape),
-                        "data_offsets": [offset, offset + blob.nbytes]}
-        offset += blob.nbytes
+        if expected != nbytes:
+            raise ValueError(f"tensor {name}: {nbytes} bytes for shape {blob.shape} {blob.dtype}")
+        shape = ",".join(str(int(d)) for d in blob.shape)
+        parts.append(f'"{name}":{{"dtype":"{blob.dtype}","shape":[{shape}],'
+                     f'"data_offsets":[{offset},{offset + nbytes}]}}')
+        offset += nbytes
+    stamp = f"{created if created is not None else time.time():.3f}"
+    tail = json.dumps({"num_tokens": str(blobs["token_ids"].shape[0]), "checksum": data_checksum,
+                       "created": stamp}, separators=(",", ":"))
+    raw = ("{" + ",".join(parts) + ',"__metadata__":' + _identity_meta_prefix(identity)
+           + "," + tail[1:] + "}").encode()
+    return raw + b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_meta_prefix(identity: KVIdentity) -> str:
+    """`{"model":...,"tp_size":"1","format":...,"version":"1"` (no closing brace), once per identity."""
     meta = {k: str(v) for k, v in asdict(identity).items()}
-    meta.update(format=FORMAT_NAME, version=str(FORMAT_VERSION),
-                num_tokens=str(blobs["token_ids"].shape[0]), checksum=data_checksum,
-                created=f"{created if created is not None else time.time():.3f}")
-    header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
-    return raw
+    meta.update(format=FORMAT_NAME, version=str(FORMAT_VERSION))
+    return json.dumps(meta, separators=(",", ":"))[:-1]
 
 
 class PublishGuard(Protocol):
@@ -397,40 +417,45 @@ class PublishGuard(Protocol):
 
     def before_write(self, nbytes: int) -> None: ...
 
-    def publishing(self, nbytes: int) -> ContextManager[object]: ...
+    def publishing(self, nbytes: int, final: str) -> ContextManager[object]: ...
 
 
 def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[str, TensorBlob],
                 *, fsync: bool = True, guard: PublishGuard | None = None) -> Path:
     """Publish an entry atomically; returns its final path.
 
-    The entry is written and fsync'ed under a fresh temp name first (created
-    exclusively, never through a symlink), then renamed. A `guard` is told the
-    entry's exact size before the write and is entered around the rename (a
-    bounded store locks the directory and makes room). Raises OSError (ENOSPC,
-    EIO, ...), NameTaken when the entry's name holds something that is not a
-    regular file (it is left alone), or what the guard raises, after removing
-    the temp file; a partial entry is never visible under the final name.
+    The entry is written (and with `fsync`, fsync'ed) under a fresh temp name
+    first (created exclusively, never through a symlink), then renamed. A
+    `guard` is told the entry's exact size before the write and is entered
+    around the rename (a bounded store locks the directory and makes room).
+    Raises OSError (ENOSPC, EIO, ...), NameTaken when the entry's name holds
+    something that is not a regular file (it is left alone), or what the
+    guard raises, after removing the temp file; a partial entry is never
+    visible under the final name.
+
+    Fixed costs are kept to the syscalls the safety needs: open(O_EXCL), one
+    pwritev of header + data, fsync when asked, an lstat of the final name,
+    rename. The directory is not fsync'ed: the file's data is durable before
+    its name appears (fsync before rename), so a crash can lose the newest
+    publish (a miss) but never leave a torn entry.
     """
-    root = Path(root)
+    root_s = os.fspath(root)
     ordered = [memoryview(blobs[n].data).cast("B") for n in TENSOR_ORDER]
     header = build_header(identity, blobs, checksum(ordered))
-    final = entry_path(root, key)
+    final = f"{root_s}/{key}{ENTRY_SUFFIX}"
     size = 8 + len(header) + sum(buf.nbytes for buf in ordered)
     if guard is not None:
         guard.before_write(size)
-    tmp = root / f".{key}.{os.getpid()}.{secrets.token_hex(TEMP_RAND_HEX_LEN // 2)}{TEMP_SUFFIX}"
+    tmp = f"{root_s}/.{key}.{os.getpid()}.{secrets.token_hex(TEMP_RAND_HEX_LEN // 2)}{TEMP_SUFFIX}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(header)))
-            f.write(header)
-            for buf in ordered:
-                f.write(buf)
+        try:
+            _write_all(fd, [struct.pack("<Q", len(header)) + header, *ordered], 0)
             if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        with guard.publishing(size) if guard is not None else contextlib.nullcontext():
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        with guard.publishing(size, final) if guard is not None else contextlib.nullcontext():
             _check_name_free(final)
             os.replace(tmp, final)
     except BaseException:
@@ -439,33 +464,32 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
         except FileNotFoundError:
             pass
         raise
-    if fsync:
-        _fsync_dir(root)
-    return final
+    return Path(final)
 
 
-def _check_name_free(final: Path) -> None:
+def _write_all(fd: int, buffers: list, offset: int) -> None:
+    """pwritev every byte of `buffers` at `offset` (a regular file writes less only on a signal or ENOSPC)."""
+    bufs = [b for b in buffers if len(b)]
+    while bufs:
+        n = os.pwritev(fd, bufs, offset)
+        if n <= 0:  # pragma: no cover - a regular file either writes or raises
+            raise OSError(errno.EIO, "write returned 0")
+        offset += n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs[0])
+            bufs.pop(0)
+        if n:
+            bufs[0] = memoryview(bufs[0]).cast("B")[n:]
+
+
+def _check_name_free(final: str) -> None:
     """An entry may replace an entry (same key, same content); nothing else is replaced."""
     try:
         st = os.lstat(final)
     except FileNotFoundError:
         return
     if not stat_mod.S_ISREG(st.st_mode):
-        raise NameTaken(f"{final.name} is {_what_is(st)}, not an entry: left alone, entry not published")
-
-
-def _fsync_dir(root: Path) -> None:
-    # Makes the rename itself durable; a no-op where directories can't be opened.
-    try:
-        fd = os.open(root, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        raise NameTaken(f"{os.path.basename(final)} is {_what_is(st)}, not an entry: left alone, entry not published")
 
 
 # ---------------------------------------------------------------- reading

@@ -38,7 +38,8 @@ def dtype_tag(dtype: torch.dtype) -> str:
 
 
 def _blob(t: torch.Tensor) -> fmt.TensorBlob:
-    t = t.detach().to("cpu").contiguous()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.detach().to("cpu").contiguous()
     # A uint8 view gives a buffer for every dtype (numpy has no bfloat16).
     raw = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
     return fmt.TensorBlob(dtype_tag(t.dtype), tuple(t.shape), raw)
@@ -86,13 +87,16 @@ class FSStore:
         than max_bytes; nothing is published then.
         """
         start = time.perf_counter()
-        tokens = torch.as_tensor(list(token_ids) if not torch.is_tensor(token_ids) else token_ids,
-                                 dtype=torch.int64)
-        expected = (identity.num_layers, identity.kv_parts, tokens.numel(),
+        if torch.is_tensor(token_ids):
+            tokens = _blob(token_ids.to(torch.int64))
+        else:
+            raw = fmt.token_bytes(token_ids)
+            tokens = fmt.TensorBlob("I64", (len(raw) // 8,), raw)
+        expected = (identity.num_layers, identity.kv_parts, tokens.shape[0],
                     identity.kv_heads, identity.head_size)
         if tuple(kv.shape) != expected:
             raise ValueError(f"kv shape {list(kv.shape)} != identity's {list(expected)}")
-        blobs = {"token_ids": _blob(tokens), "kv": _blob(kv), "hidden": _blob(hidden)}
+        blobs = {"token_ids": tokens, "kv": _blob(kv), "hidden": _blob(hidden)}
         key = fmt.key_from_token_bytes(identity, blobs["token_ids"].data)
         size = sum(b.nbytes for b in blobs.values())
         try:
