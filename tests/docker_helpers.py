@@ -75,7 +75,8 @@ def cpu_image(client: Any) -> str:
 
 def our_containers(client: Any, home: Path) -> list[Any]:
     """Containers (any state) labelled with this KVCTL_HOME."""
-    return client.containers.list(all=True, filters={"label": f"kvctl.home={home.absolute()}"})
+    return client.containers.list(all=True, filters={"label": f"kvctl.home={home.absolute()}"},
+                                  ignore_removed=True)  # one removed while listing is gone
 
 
 def transfer_image(src: Any, dst: Any, ref: str) -> None:

@@ -253,7 +253,7 @@ def _remove_labelled(client: Any, labels: Mapping[str, str]) -> list[str]:
 
     removed = []
     filters = {"label": [f"{k}={v}" for k, v in labels.items()]}
-    for c in client.containers.list(all=True, filters=filters):
+    for c in client.containers.list(all=True, filters=filters, ignore_removed=True):
         try:
             c.remove(v=True, force=True)
             removed.append(c.name)
