@@ -166,6 +166,30 @@ def test_1p1d_keeps_its_gpus_form_and_container_names(kvctl_home, model_dir):
     assert e.value.fields == ("gpus",) and "1 GPU list for 2 instances (prefill, decode)" in e.value.what
 
 
+def test_ctrl_c_while_the_router_starts_stops_it(tmp_path, monkeypatch):
+    """The launch has no record of the router until it is healthy: an interrupt then must stop it."""
+    from kvctl.cluster import lifecycle, router_process
+
+    started = []
+    real_popen = router_process.subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(router_process.subprocess, "Popen", popen)
+    monkeypatch.setattr(router_process.httpx.Client, "get", interrupted)
+    port = lifecycle._free_ports(1)[0]
+    with pytest.raises(KeyboardInterrupt):
+        router_process.start_router({"prefill-0": ("prefill", "http://127.0.0.1:9"),
+                                     "decode-0": ("decode", "http://127.0.0.1:9")}, tmp_path, port)
+    (proc,) = started
+    assert proc.wait(timeout=10) is not None and not pid_alive(proc.pid)
+
+
 # ---- real containers ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
