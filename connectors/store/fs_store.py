@@ -10,12 +10,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import xxhash
 
 from connectors.store import format as fmt
 from connectors.store.eviction import BoundedPublish
@@ -28,6 +30,7 @@ TORCH_TO_TAG = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 TAG_TO_TORCH = {v: k for k, v in TORCH_TO_TAG.items()}
+STAGING_MIN_BYTES = 1 << 20  # load_into's per-thread staging buffer starts at this size
 
 
 def dtype_tag(dtype: torch.dtype) -> str:
@@ -60,7 +63,7 @@ class SaveResult:
 @dataclass
 class LoadedEntry:
     key: str
-    kv: torch.Tensor  # [layers, kv_parts, tokens, kv_heads, head_size]
+    kv: torch.Tensor | None  # [layers, kv_parts, tokens, kv_heads, head_size]; None from load_into
     hidden: torch.Tensor  # [tokens, hidden_size]
     num_bytes: int
     seconds: float
@@ -73,6 +76,7 @@ class FSStore:
                  ttl_seconds: float | None = None):
         self.root = Path(root)
         self.fsync = fsync
+        self._local = threading.local()  # load_into's staging buffer, one per thread
         bounded = max_bytes is not None or ttl_seconds is not None
         self.guard = BoundedPublish(self.root, max_bytes, ttl_seconds) if bounded else None
 
@@ -180,6 +184,78 @@ class FSStore:
         hidden = self._tensor(header, data, "hidden").to(device, non_blocking=True)
         return LoadedEntry(key, kv, hidden, header.data_len, time.perf_counter() - start)
 
+    def load_into(self, identity: fmt.KVIdentity, token_ids: Sequence[int],
+                  write_layer: Callable[[int, torch.Tensor], None], *, hidden_size: int | None = None,
+                  hidden_dtype: torch.dtype | None = None) -> LoadedEntry:
+        """Load the entry for these tokens layer by layer into the caller's cache, in one pass.
+
+        Each layer's KV ([kv_parts, tokens, kv_heads, head_size]) is read into
+        a staging buffer this store reuses, hashed while it is still in the
+        CPU cache, and handed to `write_layer(layer, kv)` (which scatters it
+        into the paged cache) before the next layer is read: the data crosses
+        memory once on its way from the page cache to the paged cache, and no
+        buffer of the entry's size is allocated. The returned entry's `kv` is
+        None; `hidden` is a tensor of its own.
+
+        The same rules as `load` hold and raise the same errors; the header,
+        the identity, the key and the token ids are checked before
+        `write_layer` is first called. The checksum covers the whole data
+        section, so it is known only at the end: on EntryCorrupt raised after
+        `write_layer` ran, what it wrote is not the entry's and must not be
+        used (the consumer recomputes the prefill, which overwrites those slots).
+        """
+        start = time.perf_counter()
+        raw_tokens = fmt.token_bytes(token_ids)
+        key = fmt.key_from_token_bytes(identity, raw_tokens)
+        path = fmt.entry_path(self.root, key)
+        with fmt.open_entry(path) as (f, _):
+            header = fmt.parse_header(path, f)
+            _check_fits(header, identity, len(raw_tokens) // 8, hidden_size, hidden_dtype)
+            fd, base = f.fileno(), header.data_start
+            digest = xxhash.xxh3_128()
+            begin, end = header.span("token_ids")
+            stored = os.pread(fd, end - begin, base + begin)
+            if len(stored) != end - begin:
+                raise fmt.EntryCorrupt(path, f"short read: {len(stored)} of {end - begin} token bytes")
+            if stored != raw_tokens:
+                expected = fmt.key_from_token_bytes(header.identity, stored)
+                if path.name != f"{expected}{fmt.ENTRY_SUFFIX}":
+                    raise fmt.EntryCorrupt(path, f"content hashes to key {expected}, not the file name")
+                raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
+            digest.update(stored)
+            kv_info = header.tensors["kv"]
+            kv_begin, kv_end = header.span("kv")
+            layers = identity.num_layers
+            layer_bytes = (kv_end - kv_begin) // layers
+            layer_shape = kv_info["shape"][1:]
+            staging = self._staging(layer_bytes)
+            kv_dtype = TAG_TO_TORCH[kv_info["dtype"]]
+            view = memoryview(staging.numpy())
+            for layer in range(layers):
+                _pread_exact(path, fd, view, base + kv_begin + layer * layer_bytes)
+                digest.update(view)
+                write_layer(layer, staging.view(kv_dtype).view(layer_shape))
+            h_begin, h_end = header.span("hidden")
+            hidden_raw = torch.empty(h_end - h_begin, dtype=torch.uint8)
+            if h_end > h_begin:
+                hview = memoryview(hidden_raw.numpy())
+                _pread_exact(path, fd, hview, base + h_begin)
+                digest.update(hview)
+            if "xxh3_128:" + digest.hexdigest() != header.checksum:
+                raise fmt.EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
+            _touch(f)
+        info = header.tensors["hidden"]
+        hidden = hidden_raw.view(TAG_TO_TORCH[info["dtype"]]).view(info["shape"])
+        return LoadedEntry(key, None, hidden, header.data_len, time.perf_counter() - start)
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of `nbytes` this thread reuses across loads (grown when too small)."""
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, STAGING_MIN_BYTES), dtype=torch.uint8)
+            self._local.staging = buf
+        return buf[:nbytes]
+
     @staticmethod
     def _tensor(header: fmt.EntryHeader, data: torch.Tensor, name: str) -> torch.Tensor:
         info = header.tensors[name]
@@ -210,6 +286,16 @@ def _check_fits(header: fmt.EntryHeader, identity: fmt.KVIdentity, num_tokens: i
     if hidden_size is not None and hidden["shape"][1] != hidden_size:
         raise fmt.EntryCorrupt(path, f"hidden has {hidden['shape'][1]} columns, this model's hidden size "
                                      f"is {hidden_size}")
+
+
+def _pread_exact(path: Path, fd: int, view: memoryview, offset: int) -> None:
+    """Fill `view` from `offset`; a short read (the file was cut short) is EntryCorrupt."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if not n:
+            raise fmt.EntryCorrupt(path, f"short read at data offset {offset + got}")
+        got += n
 
 
 def _touch(f) -> None:

@@ -25,8 +25,10 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import random
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -35,7 +37,9 @@ import safetensors.torch
 import torch
 
 from connectors.store import format as fmt
+from connectors.store.eviction import evict, published_entries
 from connectors.store.fs_store import FSStore
+from connectors.v0.kv_layout import CacheGeometry, KVLayout, PagedAttentionLayout
 from kvctl.bench.common import Progress, best_of, gbps, rig_main, speed_ratio
 
 LAYERS, KV_HEADS, HEAD_SIZE, HIDDEN = 32, 8, 128, 4096
@@ -267,15 +271,273 @@ def size_ratios(save_s: dict, load_s: dict, cold_s: dict) -> dict[str, float]:
     return r
 
 
+# --- loads that end in the cache: every method scatters the KV into a paged cache ---
+
+BLOCK_SIZE = 16
+CACHE_PEERS = ("per_layer_safetensors", "seed_safetensors")
+
+
+def paged_caches(tokens: int, gen: torch.Generator) -> tuple[KVLayout, list[torch.Tensor], torch.Tensor]:
+    """vLLM V0 CPU's paged caches (PagedAttention layout, one per layer, filled so no page is new)
+    with room for twice the request, and the request's slots in shuffled blocks."""
+    g = CacheGeometry(block_size=BLOCK_SIZE, kv_heads=KV_HEADS, head_size=HEAD_SIZE)
+    num_blocks = 2 * -(-tokens // BLOCK_SIZE) + 1
+    caches = [torch.full(PagedAttentionLayout.cache_shape(num_blocks, g), 0.5, dtype=DTYPE)
+              for _ in range(LAYERS)]
+    table = torch.randperm(num_blocks, generator=gen)[: -(-tokens // BLOCK_SIZE)]
+    pos = torch.arange(tokens)
+    return PagedAttentionLayout(g), caches, table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+
+def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> dict:
+    """Load one entry's KV into a paged cache, every way; best of `repeat` after a warm-up, warm page cache.
+
+    ours            FSStore.load_into: per layer, read into a reused staging buffer, hash, scatter
+    ours_two_pass   FSStore.load (the whole entry read and checked), then scatter_layers
+    per_layer_st    safetensors.load_file per layer (mapped lazily), each scattered from the mapping
+    seed_st         the seed's one file [2, L, T, H, D] (mapped), each layer scattered from it
+    raw_read        read() of the raw bytes, then scatter_layers
+    memcpy          the limit: readinto a preallocated tensor of the entry's size (one copy from the
+                    page cache, no scatter)
+    """
+    tokens = list(range(1, tokens_for(mb) + 1))
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn((LAYERS, 2, len(tokens), KV_HEADS, HEAD_SIZE), generator=gen).to(DTYPE)
+    hidden = torch.randn((1, HIDDEN), generator=gen).to(DTYPE)
+    layout, caches, slots = paged_caches(len(tokens), gen)
+    work = root / f"to-cache-{mb:g}"
+    work.mkdir()
+    try:
+        ours_store = FSStore(work, fsync=False)
+        ours_store.save(IDENTITY, tokens, kv, hidden)
+        per_layer = work / "per_layer"
+        per_layer.mkdir()
+        for layer in range(LAYERS):
+            safetensors.torch.save_file({"kv_cache": kv[layer]}, per_layer / f"layer{layer}.safetensors")
+        seed = work / "seed.safetensors"
+        safetensors.torch.save_file({"input_tokens": torch.tensor(tokens), "kv": kv.transpose(0, 1).contiguous(),
+                                     "hidden": hidden}, seed)
+        raw = work / "raw.bin"
+        with open(raw, "wb") as f:
+            for part in (torch.tensor(tokens).numpy(), kv.view(torch.uint8).reshape(-1).numpy(),
+                         hidden.view(torch.uint8).reshape(-1).numpy()):
+                f.write(part)
+        file_bytes = raw.stat().st_size
+        dest = torch.empty(file_bytes, dtype=torch.uint8)
+        dest.fill_(0)
+        kv_begin, kv_end = 8 * len(tokens), 8 * len(tokens) + kv.numel() * kv.element_size()
+
+        def ours():
+            ours_store.load_into(IDENTITY, tokens, lambda layer, t: layout.scatter(caches[layer], slots, t))
+
+        def ours_two_pass():
+            layout.scatter_layers(caches, slots, ours_store.load(IDENTITY, tokens).kv)
+
+        def per_layer_st():
+            for layer in range(LAYERS):
+                t = safetensors.torch.load_file(per_layer / f"layer{layer}.safetensors")["kv_cache"]
+                layout.scatter(caches[layer], slots, t)
+
+        def seed_st():
+            seed_kv = safetensors.torch.load_file(seed)["kv"]
+            for layer in range(LAYERS):
+                layout.scatter(caches[layer], slots, seed_kv[:, layer])
+
+        def raw_read():
+            with open(raw, "rb") as f:
+                data = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            layout.scatter_layers(caches, slots, data[kv_begin:kv_end].view(DTYPE).view(kv.shape))
+
+        def memcpy():
+            with open(raw, "rb", buffering=0) as f:
+                view = memoryview(dest.numpy())
+                got = 0
+                while got < file_bytes:
+                    got += f.readinto(view[got:])
+
+        methods = {"ours": ours, "ours_two_pass": ours_two_pass, "per_layer_safetensors": per_layer_st,
+                   "seed_safetensors": seed_st, "raw_read": raw_read, "memcpy": memcpy}
+        times = {name: float("inf") for name in methods}
+        for round_ in range(repeat + 1):  # round 0 warms up
+            names = list(methods)
+            names = names[round_ % len(names):] + names[:round_ % len(names)]
+            for name in names:
+                t = best_of(methods[name], 1)
+                if round_:
+                    times[name] = min(times[name], t)
+        ours()  # what ours left in the cache is the KV
+        check = layout.gather_layers(caches, slots)
+        if not torch.equal(check.view(torch.int16), kv.view(torch.int16)):
+            raise RuntimeError(f"load_to_cache {mb:g} MB: the cache does not hold the entry's KV")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    progress(f"store to-cache {mb:g} MB: ours {times['ours'] * 1e3:.1f} ms, memcpy {times['memcpy'] * 1e3:.1f} ms")
+    best_peer = min(times[p] for p in CACHE_PEERS)
+    ratios = {"load_to_cache_vs_best_peer": speed_ratio(best_peer, times["ours"]),
+              "load_to_cache_vs_memcpy": speed_ratio(times["memcpy"], times["ours"]),
+              "load_to_cache_vs_raw_read": speed_ratio(times["raw_read"], times["ours"])}
+    for peer in CACHE_PEERS:
+        ratios[f"load_to_cache_vs_{peer}"] = speed_ratio(times[peer], times["ours"])
+    return {"mb": mb, "tokens": len(tokens), "kv_bytes": kv.numel() * kv.element_size(), "file_bytes": file_bytes,
+            "to_cache_s": times, "ratios": ratios}
+
+
+# --- scale: publish, lookup and eviction latency with many entries in the store ---
+
+SCALE_IDENTITY = fmt.KVIdentity(model="kvctl-bench-scale", num_layers=2, kv_parts=2, kv_heads=1,
+                                head_size=16, dtype="F16")
+SCALE_TOKENS = 4  # ~1 KB entries: the store's size is its number of entries, not its bytes
+
+
+def count_label(n: int) -> str:
+    """1000 -> '1k', 100000 -> '100k', 250 -> '250'."""
+    return f"{n // 1000}k" if n >= 1000 and n % 1000 == 0 else str(n)
+
+
+def _scale_tokens(i: int) -> list[int]:
+    return [i * SCALE_TOKENS + t for t in range(SCALE_TOKENS)]
+
+
+def _scale_tensors(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ident = SCALE_IDENTITY
+    kv = torch.full((ident.num_layers, ident.kv_parts, SCALE_TOKENS, ident.kv_heads, ident.head_size),
+                    float(i % 1000), dtype=torch.float16)
+    return kv, torch.zeros((1, 16), dtype=torch.float16)
+
+
+def _fill(root: Path, first: int, last: int) -> None:
+    """Publish entries first..last-1 without a bound (as fast as the format writes)."""
+    kv, hidden = _scale_tensors(0)
+    kv_raw, hidden_raw = kv.view(torch.uint8).reshape(-1).numpy(), hidden.view(torch.uint8).reshape(-1).numpy()
+    for i in range(first, last):
+        tokens = _scale_tokens(i)
+        raw = fmt.token_bytes(tokens)
+        blobs = {"token_ids": fmt.TensorBlob("I64", (SCALE_TOKENS,), raw),
+                 "kv": fmt.TensorBlob("F16", tuple(kv.shape), kv_raw),
+                 "hidden": fmt.TensorBlob("F16", tuple(hidden.shape), hidden_raw)}
+        fmt.write_entry(root, fmt.key_from_token_bytes(SCALE_IDENTITY, raw), SCALE_IDENTITY, blobs, fsync=False)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_scale_count(root: Path, count: int, next_id: int, publishes: int, lookups: int) -> tuple[dict, int]:
+    """A store of `count` entries at its bound: every publish evicts one. Returns figures and the next id."""
+    total = sum(size for _, size, _ in published_entries(root))
+    start = time.perf_counter()
+    report = evict(root)  # a full listing of the store (what `kvctl store prune` costs), nothing removed
+    scan_s = time.perf_counter() - start
+    assert report.total_bytes == total
+    store = FSStore(root, fsync=False, max_bytes=total)
+    guard = store.guard
+    make_room: list[float] = []
+    orig = guard.before_write
+
+    def timed_before_write(nbytes: int) -> None:
+        t0 = time.perf_counter()
+        orig(nbytes)
+        make_room.append(time.perf_counter() - t0)
+
+    guard.before_write = timed_before_write
+    publish: list[float] = []
+    first_publish_s = None
+    for _ in range(publishes + 1):
+        kv, hidden = _scale_tensors(next_id)
+        tokens = _scale_tokens(next_id)
+        next_id += 1
+        t0 = time.perf_counter()
+        store.save(SCALE_IDENTITY, tokens, kv, hidden)
+        elapsed = time.perf_counter() - t0
+        if first_publish_s is None:  # this writer's first publish lists the store once
+            first_publish_s = elapsed
+            make_room.clear()
+            continue
+        publish.append(elapsed)
+    reader = FSStore(root)
+    recent = list(range(next_id - max(1, min(publishes, count // 2)), next_id))  # published just now: kept
+    rng = random.Random(count)
+    lookup: list[float] = []
+    load: list[float] = []
+    for _ in range(lookups):
+        tokens = _scale_tokens(rng.choice(recent))
+        key = fmt.compute_key(SCALE_IDENTITY, tokens)
+        t0 = time.perf_counter()
+        hit = reader.has_entry(key)
+        lookup.append(time.perf_counter() - t0)
+        assert hit, "a recently published entry was evicted"
+        t0 = time.perf_counter()
+        reader.load(SCALE_IDENTITY, tokens)
+        load.append(time.perf_counter() - t0)
+    left = published_entries(root)
+    figures = {
+        "entries": count, "entries_after": len(left), "bytes": total,
+        "bound_held": sum(size for _, size, _ in left) <= total,
+        "publish_p50_s": _pct(publish, 0.5), "publish_p90_s": _pct(publish, 0.9),
+        "publish_p99_s": _pct(publish, 0.99), "publish_max_s": max(publish),
+        "first_publish_s": first_publish_s,
+        "evict_p50_s": _pct(make_room, 0.5), "evict_p99_s": _pct(make_room, 0.99),
+        "lookup_p50_s": _pct(lookup, 0.5), "load_p50_s": _pct(load, 0.5),
+        "full_scan_s": scan_s, "writer_scans": guard.scans, "publishes": publishes,
+    }
+    return figures, next_id
+
+
+def bench_scale(root: Path, counts: list[int], publishes: int, lookups: int, progress: Progress) -> dict:
+    """Publish/lookup/evict latency with each count of entries in one store (filled in turn)."""
+    store_dir = root / "scale"
+    store_dir.mkdir()
+    cases = []
+    filled = 0
+    next_id = 10**9  # ids the filler never uses
+    try:
+        for count in sorted(counts):
+            start = time.perf_counter()
+            have = len(published_entries(store_dir))
+            _fill(store_dir, filled, filled + count - have)
+            filled += count - have
+            os.sync()  # a big store's old entries are on disk, not dirty in the page cache: evict those
+            progress(f"store scale: {count} entries written in {time.perf_counter() - start:.1f} s")
+            case, next_id = bench_scale_count(store_dir, count, next_id, publishes, lookups)
+            cases.append(case)
+            progress(f"store scale {count_label(count)}: publish p50 {case['publish_p50_s'] * 1e3:.3f} ms, "
+                     f"lookup p50 {case['lookup_p50_s'] * 1e3:.3f} ms, "
+                     f"evict p50 {case['evict_p50_s'] * 1e3:.3f} ms")
+    finally:
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return {"cases": cases, "ratios": scale_ratios(cases)}
+
+
+def scale_ratios(cases: list[dict]) -> dict[str, float]:
+    """p50 latency at the most entries over p50 at the fewest (lower is better; 1 = size-independent)."""
+    if len(cases) < 2:
+        return {}
+    small, big = cases[0], cases[-1]
+    suffix = f"{count_label(big['entries'])}_vs_{count_label(small['entries'])}"
+    return {f"{what}_p50_{suffix}": big[f"{what}_p50_s"] / small[f"{what}_p50_s"]
+            for what in ("publish", "lookup", "evict") if small[f"{what}_p50_s"] > 0}
+
+
 def run(params: dict, progress: Progress) -> dict:
-    """params: dir (str), sizes_mb (list), repeat (int). Returns raw figures per size."""
+    """params: dir (str), sizes_mb (list), repeat (int); optional scale_entries (list), scale_publishes,
+    load_to_cache (bool). Returns raw figures per size (and the scale cases)."""
     torch.set_num_threads(1)  # the store path is single-threaded; extra threads only add noise
     root = Path(params["dir"])
     sizes = [bench_size(root, float(mb), int(params["repeat"]), progress) for mb in params["sizes_mb"]]
-    return {"shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE,
-                      "dtype": DTYPE_TAG, "bytes_per_token": BYTES_PER_TOKEN},
-            "torch": torch.__version__, "safetensors": safetensors.__version__,
-            "sizes": sizes}
+    result = {"shape": {"layers": LAYERS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE,
+                        "dtype": DTYPE_TAG, "bytes_per_token": BYTES_PER_TOKEN},
+              "torch": torch.__version__, "safetensors": safetensors.__version__,
+              "sizes": sizes}
+    if params.get("load_to_cache", True):
+        for size in sizes:
+            size["to_cache"] = bench_to_cache(root, size["mb"], int(params["repeat"]), progress)
+            size["ratios"].update(size["to_cache"]["ratios"])
+    if params.get("scale_entries"):
+        result["scale"] = bench_scale(root, [int(n) for n in params["scale_entries"]],
+                                      int(params.get("scale_publishes", 200)),
+                                      int(params.get("scale_lookups", 200)), progress)
+    return result
 
 
 if __name__ == "__main__":

@@ -17,6 +17,9 @@ from kvctl.provision.tiny_model import ensure_default_model
 # ---- defaults: sizes, repeats and shapes of every bench, in one place ----
 STORE_SIZES_MB = [1.0, 64.0, 512.0]  # 512 MB ~ 4k tokens of an 8B GQA model in bf16
 STORE_QUICK_MB = [1.0, 8.0]
+SCALE_ENTRIES = [1000, 10000, 100000]  # entries in the store for `bench store --scale`
+SCALE_PUBLISHES = 300  # timed publishes per count (p50 of these)
+SCALE_QUICK_PUBLISHES = 60
 LAYOUT_TOKENS = [1024, 2048, 4096]
 LAYOUT_QUICK_TOKENS = [256, 1024]
 LAYOUT_THREADS = 1  # torch intra-op threads on CPU; 2 contended threads stall each other
@@ -35,17 +38,34 @@ def _label_mb(mb: float) -> str:
 
 
 def run_store(sizes_mb: list[float], repeat: int, bench_dir: Path | None,
-              progress: Progress = quiet) -> dict:
+              progress: Progress = quiet, scale_entries: list[int] | None = None,
+              scale_publishes: int = SCALE_PUBLISHES) -> dict:
     """Our store vs raw file I/O and the peers' formats, in the rig. Files are removed.
 
+    Every size also loads into a paged cache (`load_to_cache_*`). With
+    `scale_entries`, publish/lookup/evict latency with that many entries in
+    the store too (`publish_p50_<most>_vs_<fewest>`, under "scale").
     Raises BadInput (dir, rig missing), RuntimeFailure (the bench failed).
     """
     root = resolve_bench_dir(bench_dir)
+    params = {"sizes_mb": sizes_mb, "repeat": repeat}
+    if scale_entries:
+        params.update(scale_entries=scale_entries, scale_publishes=scale_publishes)
     with scratch_dir(root) as work:
-        raw = run_in_rig("store", {"dir": str(work), "sizes_mb": sizes_mb, "repeat": repeat}, progress)
+        raw = run_in_rig("store", {"dir": str(work), **params}, progress)
     by_size = {_label_mb(s["mb"]): s["ratios"] for s in raw["sizes"]}
-    return report.assemble("store", by_size, raw, {"sizes_mb": sizes_mb, "repeat": repeat},
-                           machine_info(root))
+    if raw.get("scale"):
+        by_size["scale"] = raw["scale"]["ratios"]
+    return report.assemble("store", by_size, raw, params, machine_info(root))
+
+
+def check_scale_entries(entries: list[float]) -> list[int]:
+    """Counts of entries for the scale bench: at least two. Raises BadInput (field `scale_entries`)."""
+    counts = sorted({int(n) for n in entries})
+    if len(counts) < 2:
+        raise BadInput(f"the scale bench compares two or more store sizes, got {counts}",
+                       field="scale_entries", fix="pass at least two counts, e.g. 1000,10000,100000")
+    return counts
 
 
 def run_layout(tokens: list[int], repeat: int, device: str, threads: int = LAYOUT_THREADS,
@@ -92,7 +112,9 @@ def run_all(quick: bool, repeat: int, bench_dir: Path | None, model: Path | None
             progress: Progress = quiet) -> list[dict]:
     """store, layout and ttft with their default (or quick) sizes."""
     return [
-        run_store(STORE_QUICK_MB if quick else STORE_SIZES_MB, repeat, bench_dir, progress),
+        run_store(STORE_QUICK_MB if quick else STORE_SIZES_MB, repeat, bench_dir, progress,
+                  scale_entries=SCALE_ENTRIES,
+                  scale_publishes=SCALE_QUICK_PUBLISHES if quick else SCALE_PUBLISHES),
         run_layout(LAYOUT_QUICK_TOKENS if quick else LAYOUT_TOKENS, repeat, "auto",
                    progress=progress),
         run_ttft(TTFT_QUICK_TOKENS if quick else TTFT_TOKENS, repeat, model, progress),

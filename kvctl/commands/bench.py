@@ -41,12 +41,24 @@ def store_cmd(
     quick: bool = QUICK_OPT,
     directory: Optional[Path] = typer.Option(None, "--dir", help="Where to write (default "
                                              "$KVCTL_HOME/bench); its filesystem is measured."),
+    scale: bool = typer.Option(False, "--scale", help="Also time publish, lookup and eviction with "
+                               "1k, 10k and 100k (tiny) entries in a bounded store."),
+    scale_entries: Optional[list[str]] = typer.Option(None, "--scale-entries", help="Comma-separated "
+                                                      "counts of entries for --scale (default 1000,10000,100000)."),
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Our FS store's save/load vs raw file I/O and the peers' formats (safetensors, torch.save)."""
+    """Our FS store's save/load (also into a paged cache) vs raw file I/O and the peers' formats."""
     out = Output(json_mode=json_out)
     mb = parse_sizes(sizes, suite.STORE_QUICK_MB if quick else suite.STORE_SIZES_MB, "MB", integer=False)
-    result = suite.run_store(mb, check_repeat(repeat), directory, progress_printer(out))
+    counts = None
+    if scale or scale_entries:
+        try:
+            raw_counts = parse_sizes(scale_entries, suite.SCALE_ENTRIES, "entries", integer=True)
+        except BadInput as e:
+            raise BadInput(e.what, field="scale_entries", fix=e.fix) from None
+        counts = suite.check_scale_entries(raw_counts)
+    result = suite.run_store(mb, check_repeat(repeat), directory, progress_printer(out), scale_entries=counts,
+                             scale_publishes=suite.SCALE_QUICK_PUBLISHES if quick else suite.SCALE_PUBLISHES)
     render_results(out, [result])
 
 
