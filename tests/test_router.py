@@ -627,6 +627,35 @@ def test_killed_instance_is_skipped_and_comes_back(make_cluster, aloop):
     assert picks == {"decode-0", "decode-1"}
 
 
+def test_a_dropped_connection_rechecks_the_instance_at_once(make_cluster):
+    c = make_cluster(1, 2, health_interval_s=60)  # the interval alone would take a minute
+    victim = c.decode[1]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    first = httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+    victim.fail_after, victim.health_status = 1, 503  # dies mid-answer; its /health fails too
+    with pytest.raises(httpx.RemoteProtocolError):  # decode-1's answer cut off, as it was
+        httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+    assert first.status_code == 200 and first.headers["X-Kvctl-Decode"] == "decode-0"
+    assert wait_for(lambda: not c.instances()["decode-1"]["healthy"], timeout=5, what="decode-1 down") < 5
+    picks = [httpx.post(f"{c.url}/v1/completions", json=body, timeout=30) for _ in range(3)]
+    assert [(r.status_code, r.headers["X-Kvctl-Decode"]) for r in picks] == [(200, "decode-0")] * 3
+
+
+def test_a_dropped_connection_of_a_live_instance_keeps_it(make_cluster):
+    c = make_cluster(1, 2, health_interval_s=60)
+    c.decode[1].fail_after = 1  # one answer cut off, but /health still answers 200
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
+    assert httpx.post(f"{c.url}/v1/completions", json=body, timeout=30).status_code == 200
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+    time.sleep(0.5)  # the re-check has answered
+    c.decode[1].fail_after = None
+    assert c.instances()["decode-1"]["healthy"] is True
+    picks = [httpx.post(f"{c.url}/v1/completions", json=body, timeout=30).headers["X-Kvctl-Decode"]
+             for _ in range(2)]
+    assert sorted(picks) == ["decode-0", "decode-1"]
+
+
 def test_concurrent_streams_through_2p2d(make_cluster):
     c = make_cluster(2, 2)
     c.decode[0].chunk_delay_s = c.decode[1].chunk_delay_s = 0.01

@@ -18,8 +18,12 @@ on one that serves anyone else):
 Reported (`measure_fault` returns it; `--json` prints it):
 
     failed             requests that did not get a 200 answer
-    failed_in_flight   of those, the ones in flight at the kill (started before it)
-    failed_later       the ones that started after the kill (must be 0)
+    failed_in_flight   of those, the ones sent while the router still chose the victim
+                       (before it marked it down: in flight on it, or sent to it while
+                       it was dying)
+    failed_later       the ones sent after the router marked it down (must be 0)
+    failed_sent_after_kill  failures sent after the kill signal (the dying window)
+    outstanding_at_kill     the victim's requests in flight at the kill (the router's count)
     errors_name_victim every failure's body is OpenAI-style JSON naming the victim
     recovery_s         seconds from the kill until the router stopped choosing the
                        victim (it marked it unhealthy; the "recovery time" of
@@ -142,7 +146,7 @@ def _victim(state: ClusterState, name: str) -> tuple[str, int]:
                        fix="run the fault test on a cluster launched with the local runtime")
     if len(state.by_role(rec.role)) < 2:
         raise BadInput(f"{name!r} is the only {rec.role} instance: nothing could take over", field="kill",
-                       fix="launch a pool, e.g. `kvctl launch pd --prefill 2 --decode 2`")
+                       fix="launch pools of two or more instances of each role (`kvctl launch pd`)")
     return rec.role, rec.runtime_fields["pid"]
 
 
@@ -187,9 +191,10 @@ def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency:
         while shared.done < max(1, int(requests * KILL_AFTER)) and shared.next_index < requests:
             time.sleep(POLL_S)
         deadline = time.monotonic() + 30
-        while _instances(client, endpoint).get(victim, {}).get("outstanding", 0) < 1 \
+        while (outstanding := _instances(client, endpoint).get(victim, {}).get("outstanding", 0)) < 1 \
                 and time.monotonic() < deadline and shared.next_index < requests:
             time.sleep(0.01)
+        kill["outstanding"] = outstanding
         kill["at"] = time.time()
         try:
             os.killpg(pid, signal.SIGKILL)
@@ -219,9 +224,9 @@ def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency:
                              "its kill", where=f"{endpoint}/kvctl/instances",
                              fix="read the router's log (`kvctl logs router`)")
 
-    at = kill["at"]
+    at, down_at = kill["at"], kill["down_at"]
     failed = [o for o in outcomes if o.status != 200]
-    in_flight = [o for o in failed if o.started < at]
+    in_flight = [o for o in failed if o.started < down_at]  # sent while the router still chose it
     wrong = [o for o in outcomes if o.status == 200 and o.token_ids != baselines[o.index % PROMPTS]]
     return {
         "cluster": name, "victim": victim, "role": role, "requests": requests,
@@ -230,13 +235,15 @@ def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency:
         "failed": len(failed),
         "failed_in_flight": len(in_flight),
         "failed_later": len(failed) - len(in_flight),
+        "failed_sent_after_kill": sum(1 for o in failed if o.started >= at),
+        "outstanding_at_kill": kill.get("outstanding"),
         "errors_name_victim": all(_names(o.error, victim) for o in failed),
         "errors": [{"index": o.index, "status": o.status, "body": o.error[:400]} for o in failed],
-        "recovery_s": round(kill["down_at"] - at, 3),
+        "recovery_s": round(down_at - at, 3),
         "chosen_after_down": chosen_end - kill["chosen_at_down"],
         "wrong_answers": len(wrong),
         "served_after_kill": sorted({o.decode if role == "decode" else o.prefill
-                                     for o in outcomes if o.status == 200 and o.started > kill["down_at"]}
+                                     for o in outcomes if o.status == 200 and o.started > down_at}
                                     - {None}),
     }
 
@@ -269,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        for key in ("victim", "requests", "concurrency", "succeeded", "failed", "failed_in_flight",
-                    "failed_later", "errors_name_victim", "recovery_s", "chosen_after_down", "wrong_answers"):
-            print(f"{key:<20} {report[key]}")
+        for key in ("victim", "requests", "concurrency", "outstanding_at_kill", "succeeded", "failed",
+                    "failed_in_flight", "failed_later", "errors_name_victim", "recovery_s",
+                    "chosen_after_down", "wrong_answers"):
+            print(f"{key:<22} {report[key]}")
     return 0
 
 

@@ -95,6 +95,8 @@ RATIO_DEFINITIONS = {
 }
 _TQDM_RE = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
 _URL_RE = re.compile(r"^https?://[^/\s]+$")
+_LABELS = {"requests": "the number of requests", "input_len": "the input length (tokens)",
+           "output_len": "the output length (tokens)", "concurrency": "the concurrency"}
 # ---------------------------------
 
 
@@ -119,7 +121,7 @@ def check_options(opts: ServeOptions) -> ServeOptions:
     `plain_url`, `tokenizer`, `timeout`."""
     def positive_int(value: Any, name: str, example: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise BadInput(f"{name.replace('_', ' ')} must be a whole number of at least 1, got {value!r}",
+            raise BadInput(f"{_LABELS[name]} must be a whole number of at least 1, got {value!r}",
                            field=name, fix=f"pass e.g. {example}")
 
     positive_int(opts.requests, "requests", REQUESTS)
@@ -325,7 +327,7 @@ def check_plain_url(url: str, served_name: str) -> None:
     if models is not None and served_name not in models:
         raise BadInput(f"the plain server {url} serves {', '.join(map(str, models)) or 'no model'}, "
                        f"not the cluster's {served_name!r}", field="plain_url",
-                       fix=f"start it with the same model and --served-model-name {served_name}")
+                       fix=f"start it with the same model, served as {served_name!r}")
 
 
 def _free_port() -> int:
@@ -465,8 +467,7 @@ def run_serve_bench(name: str, opts: ServeOptions, progress: Progress = quiet) -
     tokenizer = _tokenizer_for(state, opts)
     if not _healthy(state.endpoint):
         raise RuntimeFailure(f"cluster {name!r}'s endpoint {state.endpoint} does not answer /health with 200",
-                             where=state.endpoint, fix=f"`kvctl status --name {name}` shows which instance "
-                                                       "is down")
+                             where=state.endpoint, fix="`kvctl status` shows which instance is down")
     if opts.plain_url is not None:
         check_plain_url(opts.plain_url, state.served_model_name)
     served = state.served_model_name

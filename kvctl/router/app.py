@@ -27,7 +27,11 @@ A completion, step by step:
    (the client sees a truncated response, never a clean one).
 5. A client that goes away cancels the upstream request: the connection to P or
    D is closed, and vLLM aborts the request.
-6. The answer carries `X-Request-Id`, `X-Kvctl-Prefill` and `X-Kvctl-Decode` (the
+6. An instance that resets or drops a connection (a failure that is not a timeout)
+   gets its /health checked at once, not at the next interval: a server killed
+   with kill -9 leaves its pool as soon as it is gone. Its own requests in flight
+   fail as described above; the router never resends a request.
+7. The answer carries `X-Request-Id`, `X-Kvctl-Prefill` and `X-Kvctl-Decode` (the
    instances' names), and one ROUTED line is logged (route_log.py).
 
 Errors the router makes are OpenAI-style JSON: {"error": {"message", "type", "code"}}.
@@ -55,7 +59,7 @@ from kvctl.router.bodies import (
     prefill_request,
 )
 from kvctl.router.config import KEEPALIVE_S, RouterConfig
-from kvctl.router.health import check_all, describe, log_change, run_health_checks
+from kvctl.router.health import check_all, check_instance, describe, log_change, run_health_checks
 from kvctl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvctl.router.metrics import Metrics
 from kvctl.router.pool import InstanceState, Pool, mark_down
@@ -116,6 +120,7 @@ class Router:
         self.metrics = Metrics()
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task | None = None
+        self._rechecks: dict[str, asyncio.Task] = {}  # instance name -> its pending re-check
         self._p_timeout = aiohttp.ClientTimeout(total=config.prefill_timeout_s,
                                                 connect=config.connect_timeout_s)
         self._d_timeout = aiohttp.ClientTimeout(total=None, connect=config.connect_timeout_s,
@@ -145,8 +150,10 @@ class Router:
         try:
             yield
         finally:
-            self._health_task.cancel()
-            await asyncio.gather(self._health_task, return_exceptions=True)
+            tasks = [self._health_task, *self._rechecks.values()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await self._session.close()
 
     # --- /v1/chat/completions, /v1/completions ---
@@ -279,6 +286,8 @@ class Router:
                       e: BaseException, rec: RouteRecord) -> web.StreamResponse:
         """D failed after the client got bytes: say so in the stream, or cut the answer off."""
         message = f"decode instance {inst.name} ({inst.url}) failed mid-answer: {describe(e)}"
+        if not isinstance(e, asyncio.TimeoutError):
+            self._recheck(inst)
         log.warning("request %s: %s", rec.id, message)
         self.metrics.inc(self.metrics.errors, role="decode", instance=inst.name, kind="broken")
         rec.error = message
@@ -333,8 +342,22 @@ class Router:
         raise UpstreamError(503, f"no healthy {pool.role} instance: {pool.unhealthy_summary()}",
                             code=f"no_healthy_{pool.role}")
 
+    def _recheck(self, inst: InstanceState) -> None:
+        """Check `inst`'s /health now, not at the next interval: a connection it reset or
+        dropped may mean the process died (kill -9, OOM), and until a check says so the
+        pool keeps choosing it. One pending re-check per instance; a live instance that
+        merely dropped one connection stays healthy (no request-path guess marks it down)."""
+        if inst.name in self._rechecks or self._session is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            check_instance(self.session, inst, self.config.health_timeout_s))
+        self._rechecks[inst.name] = task
+        task.add_done_callback(lambda _: self._rechecks.pop(inst.name, None))
+
     def _failed(self, inst: InstanceState, e: BaseException) -> UpstreamError:
         kind = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
+        if kind == "failed":
+            self._recheck(inst)
         self.metrics.inc(self.metrics.errors, role=inst.config.role, instance=inst.name, kind=kind)
         what = "timed out" if kind == "timeout" else f"failed: {describe(e)}"
         return UpstreamError(502, f"{inst.config.role} instance {inst.name} ({inst.url}) {what}",
