@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connectors.v0 import kv_layout
 from connectors.v0.kv_layout import (
     CacheGeometry,
     GatherBuffers,
@@ -74,10 +75,17 @@ def prompt_slots(tokens: int, blocks: int, seed: int, first_offset: int = 0) -> 
 CASES = [(3 * BS, 0), (3 * BS + 5, 0), (BS - 1, 0), (2 * BS + 3, 7)]  # (tokens, first position)
 
 
+@pytest.fixture(params=["numpy", "torch"])
+def paged_path(request, monkeypatch):
+    """The paged layout's whole blocks move through numpy on the CPU, through torch elsewhere: test both."""
+    monkeypatch.setattr(kv_layout, "NUMPY_BLOCK_TRANSPOSE", request.param == "numpy")
+    return request.param
+
+
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,first", CASES)
-def test_gather_matches_slot_semantics(name, dtype, tokens, first):
+def test_gather_matches_slot_semantics(name, dtype, tokens, first, paged_path):
     cache = random_cache(name, 8, dtype, seed=tokens)
     layout = select_layout(cache, geometry(name), BACKEND[name])
     slots = prompt_slots(tokens, 8, seed=first, first_offset=first)
@@ -89,7 +97,7 @@ def test_gather_matches_slot_semantics(name, dtype, tokens, first):
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
 @pytest.mark.parametrize("tokens,first", CASES)
-def test_scatter_writes_only_its_slots(name, dtype, tokens, first):
+def test_scatter_writes_only_its_slots(name, dtype, tokens, first, paged_path):
     source = random_cache(name, 8, dtype, seed=1)
     cache = random_cache(name, 8, dtype, seed=2)
     before = cache.clone()
@@ -105,7 +113,7 @@ def test_scatter_writes_only_its_slots(name, dtype, tokens, first):
 
 @pytest.mark.parametrize("name", LAYOUTS)
 @pytest.mark.parametrize("shift", [0, 8])
-def test_layers_round_trip_through_misaligned_entry(name, shift):
+def test_layers_round_trip_through_misaligned_entry(name, shift, paged_path):
     """Entry KV that starts 8 bytes off a 16-byte boundary (after an odd count of int64 token ids)."""
     g = geometry(name)
     caches = [random_cache(name, 8, torch.bfloat16, seed=i) for i in range(3)]

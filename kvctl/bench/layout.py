@@ -17,7 +17,8 @@ needs, as a busy server's would. On CUDA when torch sees a GPU.
 `gather_fresh_s` (raw, no ratio) is the gather into a new tensor each time:
 the gap to `gather_s` is what reusing the buffer saves (page faults).
 
-CPU runs use 1 intra-op thread by default: on a shared 2-core machine two
+The figures are the best of N rounds, each round timing every method once
+(best_interleaved). CPU runs use 1 intra-op thread by default: on a shared 2-core machine two
 OpenMP threads wait on each other whenever one is descheduled, which made
 the same gather 8x slower and far noisier (measured here); the memcpy
 baseline runs with the same threads, so the ratio compares like with like.
@@ -27,12 +28,13 @@ from __future__ import annotations
 
 import math
 import sys
+import time
 
 import torch
 
 from connectors.v0.kv_layout import (CacheGeometry, FlashAttentionLayout, FlashInferLayout, GatherBuffers,
                                      KVLayout, MLALayout, PagedAttentionLayout)
-from kvctl.bench.common import Progress, best_of, gbps, rig_main, speed_ratio
+from kvctl.bench.common import Progress, gbps, rig_main, speed_ratio
 
 LAYOUTS: dict[str, type[KVLayout]] = {
     "paged_attention": PagedAttentionLayout,
@@ -108,8 +110,8 @@ def bench_one(name: str, tokens: int, p: dict, device: torch.device, progress: P
     scatter()  # warm-up, and a correctness check: what goes in must come back out
     if not torch.equal(gather(), src):
         raise RuntimeError(f"{name}: gather after scatter returned other data ({tokens} tokens)")
-    times = {"memcpy_s": best_of(memcpy, repeat), "gather_s": best_of(gather, repeat),
-             "scatter_s": best_of(scatter, repeat), "gather_fresh_s": best_of(gather_fresh, repeat)}
+    times = best_interleaved({"memcpy_s": memcpy, "gather_s": gather, "scatter_s": scatter,
+                              "gather_fresh_s": gather_fresh}, repeat)
     progress(f"layout {name} {tokens} tokens: gather {times['gather_s'] * 1e3:.1f} ms, "
              f"scatter {times['scatter_s'] * 1e3:.1f} ms, memcpy {times['memcpy_s'] * 1e3:.1f} ms")
     return {"layout": name, "tokens": tokens, "bytes": nbytes,
@@ -119,6 +121,22 @@ def bench_one(name: str, tokens: int, p: dict, device: torch.device, progress: P
             "memcpy_gbps": gbps(nbytes, times["memcpy_s"]),
             "ratios": {"gather_vs_memcpy": speed_ratio(times["memcpy_s"], times["gather_s"]),
                        "scatter_vs_memcpy": speed_ratio(times["memcpy_s"], times["scatter_s"])}}
+
+
+def best_interleaved(fns: dict, repeat: int) -> dict[str, float]:
+    """Fastest of `repeat` timed calls of each function, in rounds that call each once.
+
+    On a shared machine a busy minute then slows every figure alike, not
+    only the one measured at that moment (separate best-of-N runs gave the
+    same memcpy 15 and 90 ms under load here).
+    """
+    best = dict.fromkeys(fns, math.inf)
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def resolve_device(wanted: str) -> torch.device:
