@@ -73,7 +73,7 @@ def layout_cmd(
                                 "(0: torch's default; 1 is stable on a shared machine)."),
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Gather/scatter through the paged KV layouts (CPU V0, flash) vs a plain memcpy."""
+    """Gather/scatter through the V0 paged KV layouts (CPU paged, flash, flashinfer, MLA) vs a plain memcpy."""
     out = Output(json_mode=json_out)
     tokens = parse_sizes(sizes, suite.LAYOUT_QUICK_TOKENS if quick else suite.LAYOUT_TOKENS,
                          "tokens", integer=True)
@@ -92,7 +92,7 @@ def ttft_cmd(
                                          "model, `kvctl model bench`)."),
     json_out: bool = JSON_OPT,
 ) -> None:
-    """Decode TTFT with KV from the store vs recomputing; MultiConnectorV0's send overhead.
+    """Decode TTFT with KV from the store vs recomputing and vs a 1-token prompt; MultiConnectorV0's send costs.
 
     Launches one real 1P1D cluster of vLLM CPU servers and tears it down.
     """
