@@ -166,6 +166,21 @@ def test_1p1d_keeps_its_gpus_form_and_container_names(kvctl_home, model_dir):
     assert e.value.fields == ("gpus",) and "1 GPU list for 2 instances (prefill, decode)" in e.value.what
 
 
+def test_a_scenario_with_pools_plans_a_docker_pool(kvctl_home, model_dir, tmp_path):
+    """Scenarios (`prefill: N`) launch docker pools through build_pd_spec, as `kvctl launch pd` does."""
+    from kvctl.scenario.runner import plan_scenario
+    from kvctl.scenario.schema import load_scenario
+
+    path = tmp_path / "docker-pool.yaml"
+    path.write_text(f"name: docker-pool\nruntime: docker\nmodel: {model_dir}\nprefill: 2\ndecode: 1\n"
+                    "prompts: [Hello]\n")
+    spec = plan_scenario(load_scenario(str(path))).spec
+    assert spec.runtime == "docker" and spec.docker is not None
+    configs = _configs(spec, CPU_LABELS)
+    assert {n: c["labels"]["kvctl.instance"] for n, c in configs.items()} == {n: n for n in NAMES}
+    assert len({c["name"] for c in configs.values()}) == 3
+
+
 def test_ctrl_c_while_the_router_starts_stops_it(tmp_path, monkeypatch):
     """The launch has no record of the router until it is healthy: an interrupt then must stop it."""
     from kvctl.cluster import lifecycle, router_process
