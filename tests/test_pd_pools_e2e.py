@@ -10,7 +10,8 @@ decode=NAME` lines and its X-Kvctl-* headers agree), each D from the store;
 
 `kvctl verify` through the endpoint follows each request to the P and D the
 router's headers name (their logs hold its send and skip lines, and the
-router's own log agrees) and counts the requests each instance served; with
+router's own log agrees) and counts the requests each instance served, in
+load mode too; with
 decode-1 frozen (SIGSTOP: the router marks it unhealthy and skips it), the
 requests still pass but the run fails naming decode-1.
 """
@@ -165,6 +166,17 @@ def test_verify_through_the_endpoint_follows_each_request_to_its_instances(clust
     human = _verify(kvctl)
     assert human.rc == 0, human
     assert "requests served: prefill-0" in human.stdout and "decode-1" in human.stdout
+
+    # load mode: through the router too (the default), every response checked, counted per instance
+    t0 = time.monotonic()
+    load = kvctl("verify", "--name", "pools", "--requests", "8", "--concurrency", "4", "--max-tokens", "8",
+                 "--json", timeout=VERIFY_TIMEOUT_S)
+    print(f"load mode, 8 requests at concurrency 4 through the router: {time.monotonic() - t0:.1f} s")
+    assert load.rc == 0, load
+    doc = json.loads(load.stdout)
+    assert doc["load"]["num_errors"] == 0 and doc["load"]["num_mismatches"] == 0 and doc["run_failures"] == []
+    assert all(r["instances_from"] == "headers" and r["passed"] for r in doc["requests"])
+    assert all(v["served"] >= 1 for v in doc["instances"].values()) and set(doc["instances"]) == set(NAMES)
 
 
 def test_verify_fails_naming_a_decode_that_never_served(cluster, tmp_path):
