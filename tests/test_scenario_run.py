@@ -169,6 +169,35 @@ def test_plan_refuses_with_the_scenario_field(edit, where, what, kvctl_home, tin
     assert e.value.where == f"s.yaml: {where}" and what in e.value.what
 
 
+def test_a_pool_member_that_never_served_fails_the_verify_phase(monkeypatch, tmp_path):
+    """Every request passed, but decode-1 served none: the verify phase fails naming it (no servers)."""
+    from types import SimpleNamespace
+
+    from kvctl.scenario import runner
+    from kvctl.verify.checks import CheckResult
+    from kvctl.verify.report import RequestReport, VerifyReport
+
+    def req(p, d):
+        return RequestReport(prompt="x", prompt_tokens=3, key="k",
+                             checks=[CheckResult(n, True, "ok") for n in CHECK_NAMES],
+                             prefill_instance=p, decode_instance=d, instances_from="headers")
+
+    verify = VerifyReport("pd", [req("prefill-0", "decode-0"), req("prefill-1", "decode-0")], 8,
+                          pools={"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]})
+    monkeypatch.setattr(runner, "_verify", lambda state, plan, progress: verify)
+    report = ScenarioReport(scenario="pd", source=None, cluster="pd", runtime="local", runtime_reason="",
+                            expected_checks=list(CHECK_NAMES))
+    plan = SimpleNamespace(scenario=SimpleNamespace(expectations=SimpleNamespace(require="all")))
+    progress = runner.ScenarioProgress()
+    runner._verify_and_inspect(SimpleNamespace(store=str(tmp_path)), plan, report, runner._Phases(report, progress),
+                               progress)
+    assert report.phases["verify"].status == "failed" and "decode-1 never served" in report.phases["verify"].detail
+    assert report.failed_checks() == [] and not report.passed
+    cases = scenario_junit(report).getroot().iter("testcase")
+    assert [c.get("classname") for c in cases if c.find("failure") is not None] == [
+        "kvctl.verify.pd.decode-1", "kvctl.scenario.pd"]
+
+
 def test_report_exit_codes_and_junit_for_a_failed_launch():
     report = ScenarioReport(scenario="s", source=None, cluster="s", runtime="local", runtime_reason="",
                             expected_checks=list(CHECK_NAMES))

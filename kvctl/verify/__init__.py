@@ -13,8 +13,9 @@
                      what is not observable (no log source, store not visible) and why
     prompts.py       the default prompts, prompts files, the empty-prompt check
     verifier.py      the driver: ClusterVerifier (per-request steps, direct or through the
-                     endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify, the one loop over prompts (concurrency, keep
-                     going, expected send children, require)
+                     endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify,
+                     the one loop over prompts (concurrency, keep going, expected send
+                     children, require)
     load_mode.py     verify under load: generated prompts, throughput and latency figures
     junit.py         JUnit XML from verify reports
 

@@ -1,7 +1,10 @@
 """Load mode of `kvctl verify`: many distinct prompts through P then D, concurrently.
 
 Every request goes through kvctl.verify.verifier's driver (P max_tokens=1,
-entry check, D, baseline) and is checked against its own baseline; this
+entry check, D, baseline; through the cluster's endpoint, the router, when
+`via_endpoint`, with each request's evidence read from the P and D the
+router named and the requests counted per instance in the report's
+"instances") and is checked against its own baseline; this
 module only generates the prompts, asks the driver for C clients at once and
 to keep going when one request fails, and summarises: throughput, p50/p99
 latency of P and D, bytes transferred, and every mismatch and error. Library
