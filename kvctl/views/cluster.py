@@ -90,6 +90,11 @@ def render_status(out: Output, statuses: list[ClusterStatus], damaged: list[Dama
                      "[yellow]running, not healthy[/yellow]" if h.running else
                      f"[red]down[/red] ({h.detail})")
             table.add_row(st.state.name, name, rec.role, state, rec.url, _ident(rec), rec.log_path)
+        router = st.state.router
+        if router is not None:  # the endpoint: healthy while a P and a D answer behind it
+            state = "[green]healthy[/green]" if st.endpoint_healthy else "[red]not healthy[/red]"
+            table.add_row(st.state.name, "router", "", state, router["url"], str(router.get("pid", "")),
+                          router.get("log_path", ""))
     out.stdout.print(table)
 
 
