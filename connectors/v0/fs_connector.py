@@ -235,18 +235,20 @@ class FSConnector(KVConnectorBase):
                 logger.exception("[rank%d]: unexpected error loading key=%s", self.rank, key)
                 return self._redo(model_input, f"unreadable key={key}: {type(e).__name__}: {e}")
             loaded.append((span, entry))
+        load_s = time.perf_counter() - start
         for span, entry in loaded:
             slots = span_slots(model_input, span)
             layout.scatter_layers(kv_caches, slots, entry.kv)
+        scatter_s = time.perf_counter() - start - load_s
         # The sampler reads only each prompt's last position (no prompt logprobs here).
         last = step.spans[-1].end
         hidden = loaded[0][1].hidden.new_zeros((last, loaded[0][1].hidden.shape[-1]))
         for span, entry in loaded:
             hidden[span.end - 1] = entry.hidden[-1]
         keys = ",".join(entry.key for _, entry in loaded)
-        logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f", self.rank, keys,
-                    last, sum(e.num_bytes for _, e in loaded),
-                    (time.perf_counter() - start) * 1e3)
+        logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f load_ms=%.1f scatter_ms=%.1f",
+                    self.rank, keys, last, sum(e.num_bytes for _, e in loaded),
+                    (time.perf_counter() - start) * 1e3, load_s * 1e3, scatter_s * 1e3)
         return hidden, True, model_input
 
     def _remove_corrupt(self, error: fmt.EntryCorrupt) -> None:

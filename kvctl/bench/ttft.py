@@ -17,6 +17,10 @@ For each prompt length, each repeat uses two fresh prompts of that length:
                 nothing to load and one token to compute, the least a
                 request costs on that server.
 
+D's skip line splits its own part of a transfer: `load_ms` (the store's
+load: read, checksum, checks) and `scatter_ms` (into the paged cache),
+reported as `d_store_load_ms` and `d_scatter_ms` beside `d_load_ms` (both).
+
 TTFT is the whole max_tokens=1 HTTP round trip on D. Order alternates per
 repeat; the best of N counts; one untimed round at the smallest length warms
 both servers up. `ttft_transfer_vs_recompute` = transfer TTFT / recompute
@@ -111,6 +115,7 @@ class SendStep:
 
 
 _GATHER_MS_RE = re.compile(r"\bgather_ms=([\d.]+)")
+_D_SPLIT_RE = re.compile(r"\bload_ms=([\d.]+) scatter_ms=([\d.]+)")  # D's skip line: store load, scatter
 
 
 def send_steps(log_text: str) -> list[SendStep]:
@@ -202,7 +207,10 @@ class _Run:
                                  where=self.state.instances["decode"].log_path,
                                  fix="read the decode log's `redo model forwarding` reason")
         step = steps[sends_before] if len(steps) > sends_before else None
+        split = _D_SPLIT_RE.search(skips[-1].line)
         return {"p_s": p.latency_s, "ttft_s": d.latency_s, "load_ms": skips[-1].ms,
+                "store_load_ms": float(split.group(1)) if split else None,
+                "scatter_ms": float(split.group(2)) if split else None,
                 "first_token_match": (p.token_ids == d.token_ids) if p.token_ids else None,
                 "child_ms": sum(step.child_ms.values()) if step else None,
                 "store_ms": sum(step.store_ms.values()) if step and step.store_ms else None,
@@ -272,6 +280,8 @@ def bench_size(run: _Run, target: int, repeat: int, nonce: str, floor_token: int
             "floor_prompt_tokens": rounds[0]["floor"]["prompt_tokens"],
             "p_latency_s": _best(x["transfer"]["p_s"] for x in rounds),
             "d_load_ms": _best(x["transfer"]["load_ms"] for x in rounds),
+            "d_store_load_ms": _best(x["transfer"].get("store_load_ms") for x in rounds),
+            "d_scatter_ms": _best(x["transfer"].get("scatter_ms") for x in rounds),
             "multi_children_send_ms": child, "children_store_ms": store,
             "children_gather_ms": _best(x["transfer"]["gather_ms"] for x in rounds),
             "gather_once_ms": _best(x["transfer"]["gather_once_ms"] for x in rounds),
