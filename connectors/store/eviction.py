@@ -188,9 +188,18 @@ class Accounts:
 
 
 def read_accounts(root: Path | str) -> Accounts | None:
-    """The accounts bounded writers keep in the lock file (None: none yet). Takes the lock."""
-    with _locked(root) as fd:
+    """The accounts bounded writers keep in the lock file (None: none, or torn by a concurrent write).
+
+    Does not take the lock (a caller may hold it: `store_lock`).
+    """
+    try:
+        fd = os.open(os.path.join(os.fspath(root), fmt.LOCK_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
         return Accounts.unpack(os.pread(fd, _ACCOUNTS_SIZE, 0))
+    finally:
+        os.close(fd)
 
 
 class BoundedPublish:
@@ -283,14 +292,17 @@ class BoundedPublish:
 
     def _expire(self, acc: Accounts, cutoff: int, report: EvictionReport) -> None:
         """Remove every entry last used before `cutoff` (ns), oldest first."""
+        rescanned = False
         while True:
             if not self._candidates:
-                if self._complete:
+                # Every entry left is newer than the scan (or than the candidates kept from it):
+                # rescan once if those may have expired too.
+                if rescanned or (self._scan_ns if self._complete else self._tail_ns) >= cutoff:
                     break
-                fresh = self._reconcile(acc)  # the candidates ran out before the expired ones did
+                fresh = self._reconcile(acc)
                 acc.__dict__.update(fresh.__dict__)
-                if not self._candidates:
-                    break
+                rescanned = True
+                continue
             head = self._candidates[0]
             if head.mtime_ns >= cutoff:
                 break
