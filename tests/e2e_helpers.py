@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,31 @@ def cluster_for_module(tmp_path_factory, shared_dir: Path, rig_python: Path, mod
                 yield cluster
             finally:
                 cluster.close()
+
+
+@contextlib.contextmanager
+def launched_by_cli(tmp_path_factory, shared_dir: Path, name: str, *launch: str,
+                    timeout: float) -> Iterator[tuple["Kvctl", dict]]:
+    """`kvctl <launch...> --name NAME --json` in a fresh KVCTL_HOME for a whole test module,
+    holding the run-wide vLLM slot; yields the runner and the launch's JSON. Afterwards
+    every attached cluster is forgotten, NAME is torn down, and no process is left."""
+    from conftest import Kvctl, live_processes_under
+
+    home = tmp_path_factory.mktemp(f"{name}-home")
+    kvctl = Kvctl(home)
+    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        r = kvctl(*launch, "--name", name, "--timeout", str(timeout), "--json", timeout=timeout + 120)
+        assert r.rc == 0, r
+        try:
+            yield kvctl, json.loads(r.stdout)
+        finally:
+            clusters = home / "clusters"
+            for state in clusters.glob("*/cluster.json"):
+                if json.loads(state.read_text()).get("managed") is False:
+                    kvctl("detach", state.parent.name)
+            kvctl("down", "--name", name)
+            assert live_processes_under(home) == []
 
 
 @dataclass

@@ -9,7 +9,6 @@ every test (it holds the run-wide vLLM slot).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import Kvctl, live_processes_under
+from conftest import Kvctl
+from e2e_helpers import launched_by_cli
 
 from kvctl.bench import serve
 from kvctl.bench.common import quiet
@@ -35,20 +35,10 @@ SMALL = ("--requests", "6", "--concurrency", "2", "--input-len", "32", "--output
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory, shared_dir, rig_python, tiny_model) -> Iterator[tuple[Kvctl, dict]]:
-    """`kvctl launch 1p1d --name src`, held for the module; torn down (attachments forgotten) after."""
-    home = tmp_path_factory.mktemp("bench-serve-home")
-    kvctl = Kvctl(home)
-    with open(shared_dir / "vllm-slot.lock", "w") as slot:
-        fcntl.flock(slot, fcntl.LOCK_EX)
-        r = kvctl("launch", "1p1d", "--name", "src", "--model", str(tiny_model), "--json", timeout=LAUNCH_TIMEOUT_S)
-        assert r.rc == 0, r
-        try:
-            yield kvctl, json.loads(r.stdout)
-        finally:
-            for name in ("att", "blind"):
-                kvctl("detach", name)
-            kvctl("down", "--name", "src")
-            assert live_processes_under(home) == []
+    """`kvctl launch 1p1d --name src`, held for the module (tests/e2e_helpers.py)."""
+    with launched_by_cli(tmp_path_factory, shared_dir, "src", "launch", "1p1d", "--model", str(tiny_model),
+                         timeout=LAUNCH_TIMEOUT_S) as launched:
+        yield launched
 
 
 def _positive(value) -> bool:

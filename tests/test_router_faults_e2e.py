@@ -13,13 +13,12 @@ figures are printed and written as JSON under the test's tmp dir.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import subprocess
 import sys
 
 import pytest
-from conftest import Kvctl, live_processes_under
+from e2e_helpers import launched_by_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 
@@ -31,20 +30,10 @@ REQUESTS, CONCURRENCY = 40, 4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
-    """One 2P2D cluster for the module, launched by the CLI, holding the run-wide vLLM slot."""
-    home = tmp_path_factory.mktemp("faults-home")
-    kvctl = Kvctl(home)
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        r = kvctl("launch", "pd", "--prefill", "2", "--decode", "2", "--name", "faults",
-                  "--model", str(tiny_model), "--timeout", str(LAUNCH_TIMEOUT_S), "--json",
-                  timeout=LAUNCH_TIMEOUT_S + 120)
-        assert r.rc == 0, r
-        try:
-            yield kvctl
-        finally:
-            kvctl("down", "--name", "faults")
-            assert live_processes_under(home) == []
+    """One 2P2D cluster for the module, launched by the CLI (tests/e2e_helpers.py)."""
+    with launched_by_cli(tmp_path_factory, shared_dir, "faults", "launch", "pd", "--prefill", "2",
+                         "--decode", "2", "--model", str(tiny_model), timeout=LAUNCH_TIMEOUT_S) as (kvctl, _):
+        yield kvctl
 
 
 @pytest.mark.parametrize("victim, survivor", [("decode-1", "decode-0"), ("prefill-1", "prefill-0")])

@@ -195,6 +195,21 @@ def test_local_runtime_warns_about_docker_fields():
         ("$.gpus", "warning"), ("$.prefill.docker_host", "warning")]
 
 
+def test_docker_pool_gpus_one_list_per_instance():
+    doc = raw("fs-1p1d-gpu")
+    doc["prefill"] = 2
+    doc["gpus"] = ["0", "1", "2"]  # prefill-0, prefill-1, decode-0
+    assert errors(doc) == []
+    doc["gpus"] = ["decode-0=2", "prefill-1=1", "prefill-0=0+3"]
+    assert errors(doc) == []
+    doc["gpus"] = ["0", "1"]
+    (problem,) = errors(doc)
+    assert problem.path == "$.gpus" and "3 instances" in problem.message, problem
+    doc["gpus"] = ["prefill-0=0", "decode-7=1"]
+    (problem,) = errors(doc)
+    assert problem.path == "$.gpus" and "decode-7" in problem.message, problem
+
+
 def test_unknown_name_lists_shipped_scenarios():
     with pytest.raises(BadInput) as info:
         load_scenario("smoke")

@@ -41,8 +41,9 @@ from connectors.config.validate import (
     json_path,
     pydantic_problems,
 )
-from kvctl.cluster.spec import MAX_POOL, default_kv_config
+from kvctl.cluster.spec import MAX_POOL, default_kv_config, instance_names
 from kvctl.errors import BadInput
+from kvctl.runtime.docker_options import gpu_lists, parse_gpus
 
 CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
 # Replaced in kv_transfer_config strings at launch, as the server sees them:
@@ -170,7 +171,7 @@ class Scenario(_Strict):
     served_model_name: str | None = None
     via: Literal["endpoint", "direct"] = "endpoint"  # verify through the endpoint (when there is one), or P then D
     image: str | None = None  # docker only; None = the runtime's default image
-    gpus: list[str] | None = None  # docker only: [prefill devices, decode devices], e.g. ["0", "1"]
+    gpus: list[str] | None = None  # docker only: one device list per instance (["0", "1"]) or NAME=IDS items
     cluster: ClusterRef | None = None  # attach instead of launching: then no prefill/decode
     # Required unless `cluster` attaches (check_scenario says which is missing); left None
     # (the default is not validated) only in an attaching scenario: use role() / role_spec().
@@ -261,7 +262,8 @@ _FIXES = {
     "name": "use lowercase letters, digits, '.', '_' or '-', e.g. the file name without .yaml",
     "runtime": "use local, docker or auto",
     "model": 'use "tiny" (the generated test model), a model directory, or a hub id',
-    "gpus": 'give one device spec per role: [prefill, decode], e.g. ["0", "1"]',
+    "gpus": 'give one device list per instance, prefills first (e.g. ["0", "1"] for 1P1D), '
+            'or name them: ["prefill-0=0", "decode-0=1+2"]',
     "prefill": "give a number of instances (e.g. 2), or a mapping: kv_transfer_config (required), count, args, "
                "env, docker_host; see scenarios/README.md",
     "decode": "give a number of instances (e.g. 2), or a mapping: kv_transfer_config (required), count, args, "
@@ -439,9 +441,12 @@ def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
             problems.append(ConfigProblem(f"$.{role}.docker_host", "ignored by the local runtime",
                                           "remove it, or use runtime: docker", "warning"))
     if s.gpus is not None:
-        if len(s.gpus) != 2:
-            problems.append(ConfigProblem("$.gpus", f"needs 2 entries (prefill, decode), got {len(s.gpus)}",
-                                          _FIXES["gpus"]))
+        counts = (s.prefill.count, s.decode.count)
+        names = instance_names(*counts, pooled=max(counts) > 1)
+        try:
+            gpu_lists(parse_gpus(s.gpus), names)
+        except BadInput as e:
+            problems.append(ConfigProblem("$.gpus", e.what, _FIXES["gpus"]))
         if s.runtime == "local":
             problems.append(ConfigProblem("$.gpus", "ignored by the local (CPU) runtime",
                                           "remove it, or use runtime: docker", "warning"))
