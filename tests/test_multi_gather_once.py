@@ -152,3 +152,29 @@ def test_a_child_that_already_has_the_entry_leaves_the_gather_to_the_next(tmp_pa
     multi.send_kv_caches_and_hidden_states(None, mi, kv, hidden_for(mi))
     assert gathers == [37]
     assert entry_bytes(tmp_path / "a", PROMPTS[0]) == entry_bytes(tmp_path / "b", PROMPTS[0])
+
+
+def test_consumer_loads_each_layer_straight_into_its_paged_cache(tmp_path):
+    """D's side of the same entries: FSStore.load_into scatters layer by layer; a damaged entry recomputes."""
+    mi, kv = model_input(PROMPTS), caches()
+    producer = fs_connector(tmp_path / "store")
+    producer.send_kv_caches_and_hidden_states(None, mi, kv, hidden_for(mi))
+    consumer = fs_connector(tmp_path / "d")
+    consumer.store = producer.store
+    target = [torch.zeros_like(c) for c in kv]
+    hidden, bypass, _ = consumer.recv_kv_caches_and_hidden_states(None, mi, target)
+    assert bypass is True
+    slots = mi.attn_metadata.slot_mapping
+    layout = PagedAttentionLayout(G)
+    assert torch.equal(layout.gather_layers(target, slots), layout.gather_layers(kv, slots))
+    want = hidden_for(mi)
+    assert torch.equal(hidden[36], want[36]) and torch.equal(hidden[52], want[52])
+    # Flip one KV byte of the second entry: the checksum catches it after the first
+    # request was written; the step recomputes and the entry is removed.
+    path = fmt.entry_path(tmp_path / "store", fmt.compute_key(IDENT, PROMPTS[1]))
+    data = bytearray(path.read_bytes())
+    data[-HIDDEN * 4 - 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    hidden, bypass, _ = consumer.recv_kv_caches_and_hidden_states(None, mi, [torch.zeros_like(c) for c in kv])
+    assert (hidden, bypass) == (None, False)
+    assert not path.exists()

@@ -217,13 +217,24 @@ class FSConnector(KVConnectorBase):
         identity, layout = self._bind(kv_caches)
         device = kv_caches[0].device
         start = time.perf_counter()
+        scatter_s = [0.0]
         loaded = []
         for span in step.spans:
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
+            plan = layout.plan(span_slots(model_input, span))
+
+            def write_layer(layer: int, kv: torch.Tensor, plan=plan) -> None:
+                begin = time.perf_counter()
+                layout.scatter_plan(kv_caches[layer], plan, kv)
+                scatter_s[0] += time.perf_counter() - begin
+
+            # Each layer goes from the file into the paged cache through one reused staging
+            # buffer. What it wrote before a failure (checksum, miss of a later request) is
+            # overwritten: any failure recomputes the whole step.
             try:
-                entry = self.store.load(identity, tokens, device, hidden_size=self.hidden_size,
-                                        hidden_dtype=self.hidden_dtype)
+                entry = self.store.load_into(identity, tokens, write_layer, hidden_size=self.hidden_size,
+                                             hidden_dtype=self.hidden_dtype)
             except FileNotFoundError:
                 return self._redo(model_input, f"miss key={key} tokens={len(tokens)}")
             except fmt.EntryCorrupt as e:
@@ -235,20 +246,16 @@ class FSConnector(KVConnectorBase):
                 logger.exception("[rank%d]: unexpected error loading key=%s", self.rank, key)
                 return self._redo(model_input, f"unreadable key={key}: {type(e).__name__}: {e}")
             loaded.append((span, entry))
-        load_s = time.perf_counter() - start
-        for span, entry in loaded:
-            slots = span_slots(model_input, span)
-            layout.scatter_layers(kv_caches, slots, entry.kv)
-        scatter_s = time.perf_counter() - start - load_s
+        load_s = time.perf_counter() - start - scatter_s[0]
         # The sampler reads only each prompt's last position (no prompt logprobs here).
         last = step.spans[-1].end
-        hidden = loaded[0][1].hidden.new_zeros((last, loaded[0][1].hidden.shape[-1]))
+        hidden = loaded[0][1].hidden.new_zeros((last, loaded[0][1].hidden.shape[-1]), device=device)
         for span, entry in loaded:
             hidden[span.end - 1] = entry.hidden[-1]
         keys = ",".join(entry.key for _, entry in loaded)
         logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f load_ms=%.1f scatter_ms=%.1f",
                     self.rank, keys, last, sum(e.num_bytes for _, e in loaded),
-                    (time.perf_counter() - start) * 1e3, load_s * 1e3, scatter_s * 1e3)
+                    (time.perf_counter() - start) * 1e3, load_s * 1e3, scatter_s[0] * 1e3)
         return hidden, True, model_input
 
     def _remove_corrupt(self, error: fmt.EntryCorrupt) -> None:

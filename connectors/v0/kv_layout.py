@@ -78,6 +78,14 @@ class KVLayout:
         """Write [kv_parts, tokens, heads, head_size] `kv` into `slots` of `cache`."""
         raise NotImplementedError
 
+    def plan(self, slots: torch.Tensor):
+        """What `scatter_plan` takes for `slots` (worked out once for every layer)."""
+        return slots
+
+    def scatter_plan(self, cache: torch.Tensor, plan, kv: torch.Tensor) -> None:
+        """`scatter` with a `plan(slots)`; `kv` may be on another device or of another dtype."""
+        self.scatter(cache, plan, kv.to(cache.device, cache.dtype))
+
     def layers_shape(self, num_layers: int, tokens: int) -> tuple[int, ...]:
         return (num_layers, self.kv_parts, tokens, self.g.kv_heads, self.g.head_size)
 
@@ -241,6 +249,12 @@ class _BlockwiseLayout(KVLayout):
         plan = SlotPlan.of(slots, self.g.block_size)
         for cache, layer_kv in zip(caches, kv):
             self._scatter(cache, plan, layer_kv.to(cache.dtype))
+
+    def plan(self, slots):
+        return SlotPlan.of(slots, self.g.block_size)
+
+    def scatter_plan(self, cache, plan, kv):
+        self._scatter(cache, plan, kv.to(cache.device, cache.dtype))
 
     def _gather(self, cache: torch.Tensor, plan: SlotPlan, out: torch.Tensor) -> None:
         raise NotImplementedError
