@@ -203,7 +203,12 @@ def read_accounts(root: Path | str) -> Accounts | None:
 
 
 class BoundedPublish:
-    """The PublishGuard of a bounded store (see format.write_entry). One per process (not thread-safe)."""
+    """The PublishGuard of a bounded store (see format.write_entry).
+
+    Thread-safe: its state changes only under the store lock, which each call
+    takes on a descriptor of its own (flock excludes other descriptors of the
+    same process too).
+    """
 
     def __init__(self, root: Path | str, max_bytes: int | None, ttl_seconds: float | None):
         self.root = Path(root)
