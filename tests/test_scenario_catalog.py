@@ -37,7 +37,9 @@ class FakeHost(catalog.Host):
             return "no Docker engine answers"
         return None if ref in self.has["images"] else f"{ref} is not on the docker engine"
 
-    def default_image(self, gpus):
+    def default_image(self, gpus, engine):
+        if engine != "v0":
+            return f"kvctl-gpu-{engine}:latest"
         return "kvctl-gpu:latest" if gpus else "kvctl-cpu:abc"
 
     def rig_missing(self, engine):
@@ -125,3 +127,19 @@ def images_v1_latest() -> str:
     from kvctl.provision.images import default_image
 
     return default_image("gpu", "v1")
+
+
+def test_docker_v1_scenario_without_an_image_needs_the_v1_image(tmp_path):
+    doc = yaml.safe_load(shipped("v1-fs-1p1d-gpu").read_text())
+    doc.pop("image", None)
+    doc.pop("gpus", None)
+    path = tmp_path / "v1-docker.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    row = catalog.describe_scenario(path, FakeHost(images={"kvctl-cpu:abc"}, env={"KVCTL_MODELS": "/m"}))
+    assert row["missing"] == ["image kvctl-gpu-v1:latest"], row
+
+
+def test_host_default_image_follows_the_runtime_rule():
+    host = catalog.Host(env={})
+    assert host.default_image(False, "v1") == images_v1_latest()
+    assert host.default_image(True, "v0") == "kvctl-gpu:latest"

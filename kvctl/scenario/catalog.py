@@ -78,12 +78,15 @@ class Host:
                     self._images[ref] = f"cannot look up {ref}: {e}"
         return self._images[ref]
 
-    def default_image(self, gpus: bool) -> str:
-        """The image the docker runtime runs when a scenario names none."""
+    def default_image(self, gpus: bool, engine: str) -> str:
+        """The image the docker runtime runs for vLLM `engine` when a scenario names none
+        (the runtime's rule: V1 runs only in the gpu image)."""
         from kvctl.provision.images import default_image
 
+        if gpus or engine != "v0":
+            return default_image("gpu", engine)
         try:
-            return default_image("gpu" if gpus else "cpu")
+            return default_image("cpu", engine)
         except BadInput:  # the CPU tag hashes this host's Debian base; elsewhere it has none
             return "kvctl-cpu:latest"
 
@@ -100,6 +103,11 @@ class Host:
         return self._rigs[engine]
 
 
+def _engines(s: Scenario) -> list[str]:
+    """The vLLM engines the scenario's roles run, each once, prefill's first."""
+    return list(dict.fromkeys(s.role(r).engine or s.engine for r in ("prefill", "decode")))
+
+
 def missing_here(s: Scenario, runtime: str, host: Host) -> list[tuple[str, str]]:
     """(what, why) for each thing `s` needs on `runtime` that this machine lacks; [] = it runs here."""
     missing: list[tuple[str, str]] = []
@@ -108,16 +116,18 @@ def missing_here(s: Scenario, runtime: str, host: Host) -> list[tuple[str, str]]
     if s.gpus and (why := host.gpus_missing()):
         missing.append(("GPUs", why))
     if runtime == "docker":
-        ref = s.image or host.default_image(bool(s.gpus))
-        if (why := host.image_missing(ref)) is not None:
-            missing.append((f"image {ref}" if host.engine_missing() is None else "docker engine", why))
+        for engine in _engines(s):
+            ref = s.image or host.default_image(bool(s.gpus), engine)
+            if (why := host.image_missing(ref)) is not None:
+                missing.append((f"image {ref}" if host.engine_missing() is None else "docker engine", why))
+            if s.image:
+                break  # one image for every role
     for field, value in (("model", s.model), ("store", s.store)):
         for var in dict.fromkeys(re.findall(r"\$\{?(\w+)\}?", value or "")):
             if not host.env.get(var):
                 missing.append((f"${var}", f"{field} {value} uses ${var}, which is not set"))
     if runtime == "local":
-        engines = dict.fromkeys(s.role(r).engine or s.engine for r in ("prefill", "decode"))
-        for engine in engines:
+        for engine in _engines(s):
             if engine != "v0" and (why := host.rig_missing(engine)):
                 missing.append((f"{engine.upper()} rig", why))
     return missing
