@@ -18,6 +18,20 @@ A load is timed until one byte of every page of its result has been read
 is not yet a load. The KV is an 8B GQA model's in bf16 (32 layers x K,V x 8 heads x 128 = 128 KiB
 per token), so 512 MB is 4096 tokens. Peers get their natural input layout,
 built before timing. Files are removed as soon as they are timed.
+
+Loads that end in the cache (`bench_to_cache`, every size): each method ends
+with the KV scattered into vLLM V0 CPU's paged caches (PagedAttention layout,
+`connectors.v0.kv_layout`): ours (`FSStore.load_into`: per layer, read into a
+reused staging buffer, hash, scatter), ours in two passes (`load` then
+`scatter_layers`), per-layer safetensors and the seed's file (both mapped,
+scattered from the mapping), read() + scatter, and the limit: one readinto of
+the same bytes from the page cache into a preallocated buffer.
+
+Scale (`bench_scale`, with `scale_entries`): a bounded store holding 1k, 10k,
+100k tiny entries (filled in turn, then synced: old entries are on disk), at
+its bound, so every timed publish evicts one entry: p50/p90/p99 publish,
+make-room (eviction) and lookup (`has_entry`) latency, the writer's first
+publish (one full scan) and a full listing (`evict`, what prune costs).
 """
 
 from __future__ import annotations
@@ -479,7 +493,7 @@ def bench_scale_count(root: Path, count: int, next_id: int, publishes: int, look
         "first_publish_s": first_publish_s,
         "evict_p50_s": _pct(make_room, 0.5), "evict_p99_s": _pct(make_room, 0.99),
         "lookup_p50_s": _pct(lookup, 0.5), "load_p50_s": _pct(load, 0.5),
-        "full_scan_s": scan_s, "writer_scans": guard.scans, "publishes": publishes,
+        "full_scan_s": scan_s, "writer_scans": getattr(guard, "scans", None), "publishes": publishes,
     }
     return figures, next_id
 
