@@ -3,7 +3,9 @@
     fs_connector.py     FSConnector: KV + hidden state to and from the FS store
     multi_connector.py  MultiConnectorV0: several V0 connectors in one instance
     kv_layout.py        gather/scatter adapters, one per V0 paged-cache layout,
-                        chosen by attention backend name (torch only, no vLLM)
+                        chosen by attention backend name, moving whole blocks as rows;
+                        reused gather buffers, and the one gather per step that
+                        MultiConnectorV0's FS children share (torch and numpy, no vLLM)
     attn_backend.py     which attention backend shaped a worker's KV caches
     batch.py            slicing a V0 batch into per-request prefills, and which requests
                         can't be keyed by token ids (LoRA, multimodal, prompt embeds/adapters)

@@ -18,7 +18,18 @@ The adapter is chosen by the attention backend's name (what its
 Shape alone is ambiguous: a FlashAttention cache with 2 blocks,
 ``[2, 2, bs, heads, d]``, is also a valid FlashInfer cache.
 
-Imports torch only (no vLLM): `kvctl.bench.layout` runs these adapters too.
+A prompt's slots are whole blocks of its block table and one partial last
+block (`SlotPlan`): the adapters move whole blocks as rows with one index
+kernel call per layer and part (index_select / index_copy_ over the blocks,
+viewed as 16- or 8-byte elements), and only the tail token by token. Flash,
+FlashInfer and MLA then run near memcpy speed on the CPU (`kvctl bench
+layout`). PagedAttention keeps a block's tokens innermost (the value) or
+innermost but one (the key, in 16-byte groups), so every block is a
+transpose; the value's is of single elements, which no torch or numpy copy
+does near memcpy speed (see `_move_blocks`): that layout needs a kernel of
+its own to get there.
+
+Imports torch and numpy only (no vLLM): `kvctl.bench.layout` runs these adapters too.
 """
 
 from __future__ import annotations
