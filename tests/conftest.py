@@ -112,6 +112,15 @@ def tiny_model(shared_dir: Path) -> Path:
 
 
 @pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A directory that passes the model check (config.json); nothing is started with it."""
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+@pytest.fixture
 def vllm_slot(shared_dir: Path) -> Iterator[None]:
     """Hold the run-wide lock for starting vLLM servers (one pair at a time)."""
     with open(shared_dir / "vllm-slot.lock", "w") as lock:

@@ -38,15 +38,6 @@ def multi(role: str, *children: dict) -> dict:
             "kv_connector_extra_config": {"connectors": list(children)}}
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """A directory that passes the model check (config.json); nothing is started with it."""
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
 # ---------------------------------------------------------------- P and D must meet
 
 def test_launch_refuses_prefill_and_decode_stores_that_never_meet(kvctl, kvctl_home, tmp_path, model_dir):

@@ -41,15 +41,6 @@ CPU_LABELS = {"kvctl.python": "/opt/kvctl/venv/bin/python"}
 GPU_LABELS = {**CPU_LABELS, "kvctl.device": "gpu"}
 
 
-@pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """A directory that passes the model check (config.json); nothing is started with it."""
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
 # ---- GPU lists (light) ------------------------------------------------------------------
 
 POOL = ("prefill-0", "prefill-1", "decode-0")

@@ -25,15 +25,6 @@ from kvctl.errors import BadInput
 
 
 @pytest.fixture
-def model_dir(tmp_path: Path) -> Path:
-    """A directory that passes the model check (config.json); nothing is started with it."""
-    d = tmp_path / "model"
-    d.mkdir()
-    (d / "config.json").write_text("{}")
-    return d
-
-
-@pytest.fixture
 def four_cores(monkeypatch):
     monkeypatch.setattr(spec_mod, "available_cores", lambda: [0, 1, 2, 3])
 
