@@ -95,8 +95,8 @@ def fit_prompt(client: VLLMClient, target: int, tag: str) -> Prompt:
         if abs(n - target) <= max(1, target // 100):
             return Prompt(text, n)
         step = round((target - n) * words / max(n, 1))
-        if abs(target - n) <= max(8, target // 20):  # close: walk one word at a time, no overshoot
-            step = 1 if target > n else -1
+        if abs(target - n) <= max(8, target // 20):  # close: step short of the estimate, no overshoot
+            step = int((target - n) * words / max(n, 1)) or (1 if target > n else -1)
         words = max(1, words + step)
     if best is None:
         raise RuntimeFailure(f"could not build a prompt of about {target} tokens",
