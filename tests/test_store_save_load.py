@@ -201,11 +201,23 @@ def test_load_into_entry_cut_short_or_deleted_while_loading(tmp_path):
         store.load_into(IDENT, ids, lambda layer, t: None)
 
 
-def test_load_into_reuses_its_staging_buffer(tmp_path):
+@pytest.mark.parametrize("chunk", [1, 1 << 20])  # one layer per read; every layer in one read
+def test_load_into_reuses_its_staging_buffer(tmp_path, monkeypatch, chunk):
+    monkeypatch.setattr("connectors.store.fs_store.LOAD_CHUNK_BYTES", chunk)
     store = FSStore(tmp_path, fsync=False)
-    pointers = set()
+    seen = []
     for seed in (13, 14, 15):
         ids, kv, hidden = make(seed)
         store.save(IDENT, ids, kv, hidden)
-        store.load_into(IDENT, ids, lambda layer, t: pointers.add(t.data_ptr()))
-    assert len(pointers) == 1
+        layout, caches, slots = paged(len(ids))
+        pointers = {}
+
+        def sink(layer, t):
+            pointers[layer] = t.data_ptr()
+            layout.scatter(caches[layer], slots, t)
+
+        store.load_into(IDENT, ids, sink)
+        assert torch.equal(layout.gather_layers(caches, slots), kv)
+        seen.append(pointers)
+    assert seen[0] == seen[1] == seen[2]  # the same staging memory every time, nothing allocated per load
+    assert len(set(seen[0].values())) == (1 if chunk == 1 else IDENT.num_layers)

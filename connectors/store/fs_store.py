@@ -31,6 +31,7 @@ TORCH_TO_TAG = {
 }
 TAG_TO_TORCH = {v: k for k, v in TORCH_TO_TAG.items()}
 STAGING_MIN_BYTES = 1 << 20  # load_into's per-thread staging buffer starts at this size
+LOAD_CHUNK_BYTES = 4 << 20  # load_into reads whole layers, as many as fit in this (at least one)
 
 
 def dtype_tag(dtype: torch.dtype) -> str:
@@ -189,13 +190,15 @@ class FSStore:
                   hidden_dtype: torch.dtype | None = None) -> LoadedEntry:
         """Load the entry for these tokens layer by layer into the caller's cache, in one pass.
 
-        Each layer's KV ([kv_parts, tokens, kv_heads, head_size]) is read into
-        a staging buffer this store reuses, hashed while it is still in the
-        CPU cache, and handed to `write_layer(layer, kv)` (which scatters it
-        into the paged cache) before the next layer is read: the data crosses
-        memory once on its way from the page cache to the paged cache, and no
-        buffer of the entry's size is allocated. The returned entry's `kv` is
-        None; `hidden` is a tensor of its own.
+        Whole layers (as many as fit in LOAD_CHUNK_BYTES, at least one) are
+        read into a staging buffer this store reuses, hashed while still in the
+        CPU cache, and each layer's KV ([kv_parts, tokens, kv_heads,
+        head_size], valid during the call only) is handed to
+        `write_layer(layer, kv)` (which scatters it into the paged cache)
+        before the next read: the data crosses memory once on its way from the
+        page cache to the paged cache, and no buffer of the entry's size is
+        allocated. The returned entry's `kv` is None; `hidden` is a tensor of
+        its own.
 
         The same rules as `load` hold and raise the same errors; the header,
         the identity, the key and the token ids are checked before
@@ -227,14 +230,18 @@ class FSStore:
             kv_begin, kv_end = header.span("kv")
             layers = identity.num_layers
             layer_bytes = (kv_end - kv_begin) // layers
-            layer_shape = kv_info["shape"][1:]
-            staging = self._staging(layer_bytes)
+            group = max(1, min(layers, LOAD_CHUNK_BYTES // max(1, layer_bytes)))  # layers per read
+            staging = self._staging(group * layer_bytes)
             kv_dtype = TAG_TO_TORCH[kv_info["dtype"]]
-            view = memoryview(staging.numpy())
-            for layer in range(layers):
-                _pread_exact(path, fd, view, base + kv_begin + layer * layer_bytes)
+            for first in range(0, layers, group):
+                count = min(group, layers - first)
+                chunk = staging[:count * layer_bytes]
+                view = memoryview(chunk.numpy())
+                _pread_exact(path, fd, view, base + kv_begin + first * layer_bytes)
                 digest.update(view)
-                write_layer(layer, staging.view(kv_dtype).view(layer_shape))
+                kv_chunk = chunk.view(kv_dtype).view([count, *kv_info["shape"][1:]])
+                for i in range(count):
+                    write_layer(first + i, kv_chunk[i])
             h_begin, h_end = header.span("hidden")
             hidden_raw = torch.empty(h_end - h_begin, dtype=torch.uint8)
             if h_end > h_begin:
