@@ -303,6 +303,16 @@ def paged_caches(tokens: int, gen: torch.Generator) -> tuple[KVLayout, list[torc
     return PagedAttentionLayout(g), caches, table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
 
 
+def layer_scatter(layout: KVLayout, caches: list[torch.Tensor], slots: torch.Tensor):
+    """(layer, kv) -> scatter into that layer's cache, as a connector scattering layer by layer would:
+    with the slots' plan computed once when the layout has one (scatter_layers does the same)."""
+    plan_of = getattr(layout, "plan", None)
+    if plan_of is not None and hasattr(layout, "scatter_plan"):
+        plan = plan_of(slots)
+        return lambda layer, kv: layout.scatter_plan(caches[layer], plan, kv)
+    return lambda layer, kv: layout.scatter(caches[layer], slots, kv)
+
+
 def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> dict:
     """Load one entry's KV into a paged cache, every way; best of `repeat` after a warm-up, warm page cache.
 
@@ -341,21 +351,22 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
         dest.fill_(0)
         kv_begin, kv_end = 8 * len(tokens), 8 * len(tokens) + kv.numel() * kv.element_size()
 
+        scatter = layer_scatter(layout, caches, slots)
+
         def ours():
-            ours_store.load_into(IDENTITY, tokens, lambda layer, t: layout.scatter(caches[layer], slots, t))
+            ours_store.load_into(IDENTITY, tokens, scatter)
 
         def ours_two_pass():
             layout.scatter_layers(caches, slots, ours_store.load(IDENTITY, tokens).kv)
 
         def per_layer_st():
             for layer in range(LAYERS):
-                t = safetensors.torch.load_file(per_layer / f"layer{layer}.safetensors")["kv_cache"]
-                layout.scatter(caches[layer], slots, t)
+                scatter(layer, safetensors.torch.load_file(per_layer / f"layer{layer}.safetensors")["kv_cache"])
 
         def seed_st():
             seed_kv = safetensors.torch.load_file(seed)["kv"]
             for layer in range(LAYERS):
-                layout.scatter(caches[layer], slots, seed_kv[:, layer])
+                scatter(layer, seed_kv[:, layer])
 
         def raw_read():
             with open(raw, "rb") as f:
