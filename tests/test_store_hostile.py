@@ -14,6 +14,8 @@ test_fs_store.py). Every test here fails on the code before the fix:
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import pwd
@@ -248,6 +250,12 @@ def test_unreadable_entry_is_unchecked_never_deleted():
         # The CLI in-process, in a forked child that became `nobody`: this python's own files
         # live under /root, which `nobody` cannot read, so everything is imported before the fork.
         from kvctl.cli import main
+
+        # The same command once as root first, on an empty store: modules the CLI imports
+        # lazily (typer's help option, rich's renderers) are then loaded before the fork.
+        with tempfile.TemporaryDirectory(prefix="kvctl-warm-") as warm, \
+                contextlib.redirect_stdout(io.StringIO()):
+            main(["store", "check", warm, "--fix", "--grace", "0", "--json"])
 
         read_fd, write_fd = os.pipe()
         pid = os.fork()
