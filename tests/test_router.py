@@ -306,6 +306,7 @@ def test_p_then_d_non_streaming(make_cluster, kind):
     assert text == "".join(tokens_for(json.loads(sent[0])))  # D's answer, not P's one token
     assert raw.headers["X-Kvctl-Prefill"] == "prefill-0"
     assert raw.headers["X-Kvctl-Decode"] == "decode-0"
+    assert float(raw.headers["X-Kvctl-Prefill-Ms"]) > 0  # P's part, for a client that splits latency
 
 
 @pytest.mark.parametrize("kind", ["chat", "completions"])

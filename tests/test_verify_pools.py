@@ -14,6 +14,7 @@ import io
 import itertools
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -135,7 +136,9 @@ class FakeRouter:
                     p = next(rr_p)
                     d = next(rr_d) if only_decode is None else only_decode
                 rid = self.headers.get("X-Request-Id", "minted")
+                sent = time.perf_counter()
                 http.post(f"{prefills[p].url}/v1/chat/completions", json={**body, "max_tokens": 1})
+                prefill_ms = (time.perf_counter() - sent) * 1000
                 answer = http.post(f"{decodes[d].url}/v1/chat/completions", content=raw,
                                    headers={"Content-Type": "application/json"})
                 out = answer.content
@@ -147,11 +150,14 @@ class FakeRouter:
                     self.send_header("X-Request-Id", rid)
                     self.send_header("X-Kvctl-Prefill", f"prefill-{named}")
                     self.send_header("X-Kvctl-Decode", f"decode-{d}")
+                    self.send_header("X-Kvctl-Prefill-Ms", f"{prefill_ms:.1f}")
+                    router.prefill_ms.append(prefill_ms)
                 self.end_headers()
                 self.wfile.write(out)
                 router.routed.append((rid, p, d))
 
         self.routed: list[tuple[str, int, int]] = []
+        self.prefill_ms: list[float] = []
         self.http = http
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -201,6 +207,10 @@ def test_evidence_follows_the_router_headers(pools_cluster):
         assert (r.prefill_instance, r.decode_instance, r.instances_from) == (f"prefill-{p}", f"decode-{d}", "headers")
         assert r.key in (info.instances[p].log_path.read_text())  # the send line is in THAT P's log
         assert r.key in (info.instances[2 + d].log_path.read_text())
+    # P's part is the router's X-Kvctl-Prefill-Ms, D's the rest of the request (not the whole of it)
+    for r, ms in zip(report.requests, router.prefill_ms):
+        assert r.prefill_latency_s == pytest.approx(round(ms, 1) / 1000)
+        assert r.decode_latency_s is not None and r.decode_latency_s >= 0
 
 
 def test_a_header_naming_the_wrong_prefill_fails_the_send_check(pools_cluster):
@@ -220,6 +230,7 @@ def test_without_headers_the_logs_say_which_instance_served(pools_cluster):
     for r, (_, p, d) in zip(report.requests, router.routed):
         assert (r.prefill_instance, r.decode_instance, r.instances_from) == (f"prefill-{p}", f"decode-{d}", FROM_LOGS)
     assert any("came back without router headers" in n for n in report.instance_notes())
+    assert all(r.prefill_latency_s is None and r.decode_latency_s > 0 for r in report.requests)  # P's part unknown
 
 
 def test_a_decode_the_router_never_chooses_fails_the_run(pools_cluster):

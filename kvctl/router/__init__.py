@@ -10,6 +10,7 @@ to the client as it arrives. See docs/router.md.
     bodies.py     the prefill body rule and OpenAI-style error bodies; pure
     pool.py       one pool per role: health state, outstanding requests, the
                   round-robin / least-outstanding choice; pure (no I/O)
+    headers.py    the headers each answer carries (request id, P, D, P's milliseconds); pure
     route_log.py  the one log line per routed request (request id, P, D, status,
                   latencies): writing it and parsing it back; pure
     metrics.py    counters and latency histograms, rendered as Prometheus text; pure

@@ -32,7 +32,8 @@ A completion, step by step:
    with kill -9 leaves its pool as soon as it is gone. Its own requests in flight
    fail as described above; the router never resends a request.
 7. The answer carries `X-Request-Id`, `X-Kvctl-Prefill` and `X-Kvctl-Decode` (the
-   instances' names), and one ROUTED line is logged (route_log.py).
+   instances' names) and `X-Kvctl-Prefill-Ms` (P's part; headers.py), and one
+   ROUTED line is logged (route_log.py).
 
 Errors the router makes are OpenAI-style JSON: {"error": {"message", "type", "code"}}.
 """
@@ -59,6 +60,7 @@ from kvctl.router.bodies import (
     prefill_request,
 )
 from kvctl.router.config import KEEPALIVE_S, RouterConfig
+from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER, REQUEST_ID
 from kvctl.router.health import check_all, check_instance, describe, log_change, run_health_checks
 from kvctl.router.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvctl.router.metrics import Metrics
@@ -67,9 +69,6 @@ from kvctl.router.route_log import CLIENT_CLOSED, RouteRecord
 
 log = logging.getLogger("kvctl.router")
 
-REQUEST_ID = "X-Request-Id"
-PREFILL_HEADER = "X-Kvctl-Prefill"
-DECODE_HEADER = "X-Kvctl-Decode"
 # Client headers P and D get (besides X-Request-Id); nothing else crosses the router.
 FORWARDED = ("Authorization", "Content-Type", "Accept", "Accept-Encoding", "User-Agent",
              "traceparent", "tracestate")
@@ -224,6 +223,7 @@ class Router:
             resp.close()  # read to the end or abandoned: either way this request is over
             inst.outstanding -= 1
         rec.prefill_ms = _ms(sent)
+        headers[PREFILL_MS_HEADER] = f"{rec.prefill_ms:.1f}"
         self.metrics.observe(self.metrics.prefill, rec.prefill_ms / 1000, instance=inst.name)
         if 400 <= resp.status < 500:
             rec.error = f"prefill answered {resp.status}: {_snippet(answer)}"

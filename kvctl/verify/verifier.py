@@ -51,6 +51,8 @@ from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.cluster.state import ClusterState
 from kvctl.errors import BadInput, KvctlError
+from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER
+from kvctl.router.headers import REQUEST_ID as REQUEST_ID_HEADER
 from kvctl.verify import markers
 from kvctl.verify.checks import (
     ERROR_CHECK,
@@ -79,9 +81,6 @@ from kvctl.verify.report import (
 )
 
 DEFAULT_MAX_TOKENS = 16
-REQUEST_ID_HEADER = "X-Request-Id"  # the router's names (kvctl.router.app), as sent and answered
-PREFILL_HEADER = "X-Kvctl-Prefill"
-DECODE_HEADER = "X-Kvctl-Decode"
 
 Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|endpoint|baseline|done)
 SendChildren = Sequence[tuple[int, str]]  # (child index, connector name) of P's children that must log a send
@@ -307,6 +306,7 @@ class ClusterVerifier:
                         next((ld.line for ld in markers.kv_loads(d_text) if ld.key == pre.key), ""))
             d_name = d_log.holder(d_off, line)
         report.request_id = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
+        report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
         report.prefill_instance, report.decode_instance = p_name, d_name
         report.instances_from = FROM_HEADERS if not (p_note or d_note) else (FROM_LOGS if p_name or d_name else "")
         for check, note in ((pre.kv_send, p_note), (pre.store_entry, ""), (skip_check, d_note)):
@@ -329,6 +329,16 @@ class ClusterVerifier:
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None)
+
+
+def _split_latency(answer: ChatResult) -> tuple[float | None, float]:
+    """(P's part, the rest) of a request through the endpoint, from the router's
+    X-Kvctl-Prefill-Ms; without it P's part is unknown and the rest is the whole."""
+    try:
+        prefill_s = float(answer.headers[PREFILL_MS_HEADER.lower()]) / 1000
+    except (KeyError, ValueError):
+        return None, answer.latency_s
+    return prefill_s, max(0.0, answer.latency_s - prefill_s)
 
 
 def new_request_id() -> str:
