@@ -200,6 +200,7 @@ def test_evidence_follows_the_router_headers(pools_cluster):
     run = run_verify(info, PROMPTS, RunOptions(max_tokens=4, via_endpoint=True, log_wait_s=2.0))
     report = run.report
     assert report.passed, report.to_json()
+    assert report.to_json()["endpoint"] == router.url
     assert {n: v["served"] for n, v in report.served().items()} == {
         "prefill-0": 2, "prefill-1": 2, "decode-0": 2, "decode-1": 2}
     for r, (rid, p, d) in zip(report.requests, router.routed):

@@ -161,6 +161,7 @@ class VerifyReport:
     baseline: str = BASELINE_KIND
     require: str = REQUIRE_ALL
     pools: dict[str, list[str]] = field(default_factory=dict)  # role -> the instances that should serve
+    endpoint: str | None = None  # the URL every request went through (the router), None: P then D directly
 
     def __post_init__(self) -> None:
         for r in self.requests:
@@ -199,7 +200,7 @@ class VerifyReport:
         return {"cluster": self.cluster, "passed": self.passed,
                 "requests": [r.to_json() for r in self.requests],
                 "baseline": self.baseline, "max_tokens": self.max_tokens,
-                "require": self.require, "not_observable": self.not_observable(),
+                "require": self.require, "endpoint": self.endpoint, "not_observable": self.not_observable(),
                 "instances": self.served(), "run_failures": [f.to_json() for f in self.run_failures()],
                 "instance_notes": self.instance_notes()}
 

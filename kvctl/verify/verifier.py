@@ -444,7 +444,8 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
         wall = time.perf_counter() - start
         pools = verifier.pools
     return VerifyRun(VerifyReport(cluster=info.name, requests=requests, max_tokens=options.max_tokens,
-                                  require=options.require, pools=pools), wall)
+                                  require=options.require, pools=pools,
+                                  endpoint=info.endpoint if options.via_endpoint else None), wall)
 
 
 def verify_cluster(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str] = DEFAULT_PROMPTS,

@@ -126,7 +126,8 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
         console.print(Text.assemble((f"✗ request {i + 1} {c.name}: ", "bold red"), c.evidence))
     unseen = _render_not_observable(report, console)
     verdict = _verdict(report, report.passed, len(failed), unseen)
-    console.print(Text.assemble(verdict, f"  {len(report.requests)} requests, D max_tokens={report.max_tokens},"
+    path = f"through the endpoint {report.endpoint}" if report.endpoint else "to P, then D directly"
+    console.print(Text.assemble(verdict, f"  {len(report.requests)} requests {path}, D max_tokens={report.max_tokens},"
                                          f" baseline: {report.baseline}"))
 
 
