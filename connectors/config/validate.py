@@ -396,52 +396,33 @@ def _is_type(value: object, types: tuple[type, ...]) -> bool:
 
 def _check_name(name: object, prefix: str, registered: tuple[str, ...], nested: bool,
                 engine: str = "v0") -> list[ConfigProblem]:
+    """The connector's name, against what `engine` can build (same rules for both, its own words)."""
     path = json_path(prefix, "kv_connector")
-    if engine == "v1":
-        return _check_name_v1(name, path, registered, nested)
+    v1 = engine == "v1"
     # vLLM's factory registry also holds V1-only names; V0 cannot build those.
-    listing = ", ".join(n for n in registered if n not in V1_ONLY_CONNECTORS)
+    listing = ", ".join(registered if v1 else (n for n in registered if n not in V1_ONLY_CONNECTORS))
+    registered_text = f"registered {engine.upper()} connectors: {listing}"
+    multi = V1_MULTI_CONNECTOR if v1 else MULTI_CONNECTOR
     if name is None:
-        return [ConfigProblem(path, "required key 'kv_connector' is missing",
-                              f"name the connector; registered V0 connectors: {listing}")]
+        return [ConfigProblem(path, "required key 'kv_connector' is missing", f"name the connector; {registered_text}")]
     if not isinstance(name, str):
-        return [ConfigProblem(path, f"must be a string, got {_shown(name)}",
-                              f"use a connector name; registered V0 connectors: {listing}")]
-    if nested and name == MULTI_CONNECTOR:
-        return [ConfigProblem(path, "a MultiConnectorV0 child cannot itself be MultiConnectorV0",
+        return [ConfigProblem(path, f"must be a string, got {_shown(name)}", f"use a connector name; {registered_text}")]
+    if nested and name == multi:
+        return [ConfigProblem(path, f"a {multi} child cannot itself be {multi}",
                               "list its connectors directly in the parent's connectors")]
-    if name in V1_ONLY_CONNECTORS:
+    if v1 and name in V0_ONLY_CONNECTORS:
+        fix = "use vLLM's MultiConnector" if name == MULTI_CONNECTOR else f"use a V1 connector: {listing}"
+        return [ConfigProblem(path, f"{name!r} is a vLLM V0 connector; V1 cannot build it",
+                              f"{fix}, or run the server on engine v0")]
+    if not v1 and name in V1_ONLY_CONNECTORS:
         return [ConfigProblem(path, f"{name!r} is a vLLM V1 connector; V0 (VLLM_USE_V1=0) cannot build it",
                               f"use a V0 connector: {listing}, or run the server on engine v1")]
     if name in registered:
         return []
     guess = did_you_mean(name, registered)
     hint = f"did you mean {guess!r}? " if guess else ""
-    return [ConfigProblem(path, f"unknown connector {name!r}",
-                          f"{hint}registered V0 connectors: {listing}")]
-
-
-def _check_name_v1(name: object, path: str, registered: tuple[str, ...], nested: bool) -> list[ConfigProblem]:
-    listing = ", ".join(registered)
-    if name is None:
-        return [ConfigProblem(path, "required key 'kv_connector' is missing",
-                              f"name the connector; registered V1 connectors: {listing}")]
-    if not isinstance(name, str):
-        return [ConfigProblem(path, f"must be a string, got {_shown(name)}",
-                              f"use a connector name; registered V1 connectors: {listing}")]
-    if nested and name == V1_MULTI_CONNECTOR:
-        return [ConfigProblem(path, "a MultiConnector child cannot itself be MultiConnector",
-                              "list its connectors directly in the parent's connectors")]
-    if name in V0_ONLY_CONNECTORS:
-        fix = "use vLLM's MultiConnector" if name == MULTI_CONNECTOR else f"use a V1 connector: {listing}"
-        return [ConfigProblem(path, f"{name!r} is a vLLM V0 connector; V1 cannot build it",
-                              f"{fix}, or run the server on engine v0")]
-    if name in registered:
-        return []
-    guess = did_you_mean(name, registered)
-    hint = f"did you mean {guess!r}? " if guess else ""
-    return [ConfigProblem(path, f"unknown connector {name!r}",
-                          f"{hint}registered V1 connectors: {listing} (or load it with kv_connector_module_path)")]
+    also = " (or load it with kv_connector_module_path)" if v1 else ""
+    return [ConfigProblem(path, f"unknown connector {name!r}", f"{hint}{registered_text}{also}")]
 
 
 def _check_role(role: object, prefix: str, parent_role: str | None) -> list[ConfigProblem]:
