@@ -7,6 +7,7 @@ memory the KV and hidden-state tensors then view.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -14,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import BinaryIO, Callable, Iterator, Sequence
 
 import torch
 import xxhash
@@ -169,12 +170,7 @@ class FSStore:
         (permissions, EIO).
         """
         start = time.perf_counter()
-        raw_tokens = fmt.token_bytes(token_ids)
-        key = fmt.key_from_token_bytes(identity, raw_tokens)
-        path = fmt.entry_path(self.root, key)
-        with fmt.open_entry(path) as (f, _):
-            header = fmt.parse_header(path, f)
-            _check_fits(header, identity, len(raw_tokens) // 8, hidden_size, hidden_dtype)
+        with self._open_fitting(identity, token_ids, hidden_size, hidden_dtype) as (key, raw_tokens, path, f, header):
             data = torch.empty(header.data_len, dtype=torch.uint8)
             view = fmt.read_data(path, f, header, into=lambda nbytes: data.numpy())
             begin, end = header.span("token_ids")
@@ -208,12 +204,7 @@ class FSStore:
         used (the consumer recomputes the prefill, which overwrites those slots).
         """
         start = time.perf_counter()
-        raw_tokens = fmt.token_bytes(token_ids)
-        key = fmt.key_from_token_bytes(identity, raw_tokens)
-        path = fmt.entry_path(self.root, key)
-        with fmt.open_entry(path) as (f, _):
-            header = fmt.parse_header(path, f)
-            _check_fits(header, identity, len(raw_tokens) // 8, hidden_size, hidden_dtype)
+        with self._open_fitting(identity, token_ids, hidden_size, hidden_dtype) as (key, raw_tokens, path, f, header):
             fd, base = f.fileno(), header.data_start
             digest = xxhash.xxh3_128()
             begin, end = header.span("token_ids")
@@ -254,6 +245,21 @@ class FSStore:
         info = header.tensors["hidden"]
         hidden = hidden_raw.view(TAG_TO_TORCH[info["dtype"]]).view(info["shape"])
         return LoadedEntry(key, None, hidden, header.data_len, time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def _open_fitting(self, identity: fmt.KVIdentity, token_ids: Sequence[int], hidden_size: int | None,
+                      hidden_dtype: torch.dtype | None) -> Iterator[tuple[str, bytes, Path, BinaryIO, fmt.EntryHeader]]:
+        """The entry for these tokens, open, its header parsed and checked to fit (load and load_into's start).
+
+        Yields (key, the tokens' bytes, path, file, header); raises what `load` documents.
+        """
+        raw_tokens = fmt.token_bytes(token_ids)
+        key = fmt.key_from_token_bytes(identity, raw_tokens)
+        path = fmt.entry_path(self.root, key)
+        with fmt.open_entry(path) as (f, _):
+            header = fmt.parse_header(path, f)
+            _check_fits(header, identity, len(raw_tokens) // 8, hidden_size, hidden_dtype)
+            yield key, raw_tokens, path, f, header
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of `nbytes` this thread reuses across loads (grown when too small)."""
