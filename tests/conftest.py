@@ -120,6 +120,22 @@ def model_dir(tmp_path: Path) -> Path:
     return d
 
 
+@pytest.fixture(scope="module")
+def main_engine():
+    """This host's Docker engine (docker tests only: the import needs the docker SDK)."""
+    from docker_helpers import engine_client
+
+    return engine_client()
+
+
+@pytest.fixture(scope="module")
+def cpu_tag(main_engine) -> str:
+    """This checkout's CPU image on the main engine (docker_helpers.cpu_image)."""
+    from docker_helpers import cpu_image
+
+    return cpu_image(main_engine)
+
+
 @pytest.fixture
 def vllm_slot(shared_dir: Path) -> Iterator[None]:
     """Hold the run-wide lock for starting vLLM servers (one pair at a time)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import live_processes_under, pid_alive
-from docker_helpers import cpu_image, engine_client, our_containers
+from docker_helpers import our_containers
 
 from kvctl.cluster.lifecycle import instance_specs
 from kvctl.cluster.spec import build_1p1d_spec, build_pd_spec
@@ -197,16 +197,6 @@ def test_ctrl_c_while_the_router_starts_stops_it(tmp_path, monkeypatch):
 
 
 # ---- real containers ------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def main_engine():
-    return engine_client()
-
-
-@pytest.fixture(scope="module")
-def cpu_tag(main_engine) -> str:
-    return cpu_image(main_engine)
-
 
 def _assert_nothing_left(home: Path, client) -> None:
     assert our_containers(client, home) == [], "containers left behind"

@@ -31,8 +31,6 @@ import pytest
 from conftest import Kvctl, live_processes_under
 from docker_helpers import (
     build_fake_gpu_image,
-    cpu_image,
-    engine_client,
     ensure_image,
     our_containers,
     second_engine,
@@ -53,16 +51,6 @@ VLLM_GROUP = pytest.mark.xdist_group("vllm")
 def _worker_octet(offset: int) -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
     return 100 + 10 * int(re.sub(r"\D", "", worker) or 0) + offset
-
-
-@pytest.fixture(scope="module")
-def main_engine():
-    return engine_client()
-
-
-@pytest.fixture(scope="module")
-def cpu_tag(main_engine) -> str:
-    return cpu_image(main_engine)
 
 
 @pytest.fixture(scope="module")
