@@ -30,6 +30,7 @@ from docker_helpers import our_containers
 from kvctl.cluster.lifecycle import instance_specs
 from kvctl.cluster.spec import build_1p1d_spec, build_pd_spec
 from kvctl.errors import BadInput
+from kvctl.net import free_ports
 from kvctl.router.route_log import parse_route_line
 from kvctl.runtime.docker import DockerRuntime, container_name
 from kvctl.runtime.docker_options import default_gpu_lists, docker_options, gpu_lists, parse_gpus
@@ -174,7 +175,7 @@ def test_a_scenario_with_pools_plans_a_docker_pool(kvctl_home, model_dir, tmp_pa
 
 def test_ctrl_c_while_the_router_starts_stops_it(tmp_path, monkeypatch):
     """The launch has no record of the router until it is healthy: an interrupt then must stop it."""
-    from kvctl.cluster import lifecycle, router_process
+    from kvctl.cluster import router_process
 
     started = []
     real_popen = router_process.subprocess.Popen
@@ -188,7 +189,7 @@ def test_ctrl_c_while_the_router_starts_stops_it(tmp_path, monkeypatch):
 
     monkeypatch.setattr(router_process.subprocess, "Popen", popen)
     monkeypatch.setattr(router_process.httpx.Client, "get", interrupted)
-    port = lifecycle._free_ports(1)[0]
+    port = free_ports(1)[0]
     with pytest.raises(KeyboardInterrupt):
         router_process.start_router({"prefill-0": ("prefill", "http://127.0.0.1:9"),
                                      "decode-0": ("decode", "http://127.0.0.1:9")}, tmp_path, port)

@@ -22,6 +22,7 @@ from kvctl.cluster.lifecycle import instance_specs
 from kvctl.cluster.spec import build_1p1d_spec, build_pd_spec, spread_cpu_binds
 from kvctl.cluster.state import ClusterState, InstanceRecord, save_cluster, utc_now
 from kvctl.errors import BadInput
+from kvctl.net import free_ports
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_role_settings_reach_every_instance_of_the_pool(kvctl_home, model_dir):
 
 
 def test_given_ports_are_the_first_of_consecutive_ones(kvctl_home, model_dir):
-    free = lifecycle._free_ports(1)[0]
+    free = free_ports(1)[0]
     base = 20000 + free % 20000  # a region unlikely to be in use; each port is checked free
     spec = build_pd_spec(prefill=2, decode=2, name="ports", model=model_dir,
                          prefill_port=base, decode_port=base + 10)

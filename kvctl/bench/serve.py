@@ -46,7 +46,6 @@ import json
 import math
 import os
 import re
-import socket
 import tempfile
 import time
 from collections.abc import Iterator
@@ -58,14 +57,15 @@ from typing import Any
 import httpx
 
 from kvctl.bench.common import Progress, machine_info, quiet
-from kvctl.cluster.lifecycle import signals_interrupt
+from kvctl.cluster.lifecycle import LaunchProgress, signals_interrupt, wait_instances_healthy
 from kvctl.cluster.spec import model_dtype, spread_cpu_binds
 from kvctl.cluster.state import ClusterState, cluster_dir, load_cluster
 from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.net import answers_health, free_ports
 from kvctl.provision.rig import rig_python
 from kvctl.runtime import get_runtime
-from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, Instance, InstanceSpec, read_log_tail
-from kvctl.subprocesses import TAIL_LINES, run_streamed
+from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, Instance, InstanceSpec
+from kvctl.subprocesses import run_streamed
 from kvctl.verify import markers
 from kvctl.verify.cluster_info import cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogPool, capturing_logs
@@ -80,8 +80,9 @@ OUTPUT_LEN = 16  # tokens generated per request (ignore_eos: exactly this many)
 SEED = 0  # the random dataset's seed: both targets get the same prompts
 TIMEOUT_S = 1800.0  # one target's whole load run
 PLAIN_READY_S = 600.0  # the plain server's start-up (a cold CPU start takes a minute or two)
+PLAIN_NOTE_S = 15.0  # a progress line this often while the plain server starts
+PLAIN_ROLE = "plain vLLM"  # as its start-up errors name it: "the plain vLLM server exited ..."
 HEALTH_TIMEOUT_S = 5.0
-HEALTH_POLL_S = 0.5
 PERCENTILES = "50,99"
 PLAIN_NAME = "bench-plain"  # the plain server's name: its log is logs/bench-plain.log
 TARGETS = ("pd", "plain")
@@ -304,10 +305,8 @@ def run_tool(label: str, url: str, served_name: str, tokenizer: Path, opts: Serv
 # --- the plain server ---
 
 def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with httpx.Client() as client:
+        return answers_health(client, url, HEALTH_TIMEOUT_S)
 
 
 def _served_models(url: str) -> list[str] | None:
@@ -330,12 +329,6 @@ def check_plain_url(url: str, served_name: str) -> None:
                        fix=f"start it with the same model, served as {served_name!r}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def plain_spec(state: ClusterState) -> InstanceSpec:
     """The plain server for `state`: its model, served name and decode engine, no connector,
     one core, its log beside the cluster's (logs/bench-plain.log)."""
@@ -345,7 +338,7 @@ def plain_spec(state: ClusterState) -> InstanceSpec:
     cdir = cluster_dir(state.name)
     return InstanceSpec(cluster=state.name, role=PLAIN_NAME, model=model,
                         served_model_name=state.served_model_name, dtype=model_dtype(model),
-                        port=_free_port(), cwd=cdir, log_path=cdir / "logs" / f"{PLAIN_NAME}.log",
+                        port=free_ports(1)[0], cwd=cdir, log_path=cdir / "logs" / f"{PLAIN_NAME}.log",
                         kv_transfer_config=None, worker_cls=None,
                         block_size=BLOCK_SIZE if engine == "v0" else None, engine=engine,
                         cpu_bind=spread_cpu_binds(1)[0])
@@ -376,7 +369,7 @@ def plain_server(state: ClusterState, progress: Progress) -> Iterator[str]:
     inst: Instance | None = None
     try:
         inst = runtime.start(spec)
-        _wait_plain(inst, progress)
+        _wait_plain(inst, state.name, progress)
         yield inst.url
     finally:
         if inst is not None:
@@ -394,27 +387,20 @@ def _stop_all_the_way(inst: Instance) -> None:
             continue
 
 
-def _wait_plain(inst: Instance, progress: Progress) -> None:
-    t0 = time.monotonic()
-    next_note = t0 + 15
-    while True:
-        status = inst.status()
-        if not status.running:
-            tail = "\n".join(read_log_tail(inst.log_path, TAIL_LINES))
-            raise RuntimeFailure(f"the plain vLLM server {status.detail} during start-up",
-                                 where=str(inst.log_path), fix="read its log tail below", details=tail)
-        if _healthy(inst.url):
-            progress(f"plain: server healthy after {time.monotonic() - t0:.0f} s")
-            return
-        now = time.monotonic()
-        if now - t0 > PLAIN_READY_S:
-            tail = "\n".join(read_log_tail(inst.log_path, TAIL_LINES))
-            raise RuntimeFailure(f"the plain vLLM server was not healthy after {PLAIN_READY_S:g} s",
-                                 where=str(inst.log_path), fix="read its log tail below", details=tail)
-        if now >= next_note:
-            progress(f"plain: starting ({now - t0:.0f} s)")
-            next_note = now + 15
-        time.sleep(HEALTH_POLL_S)
+def _wait_plain(inst: Instance, cluster: str, progress: Progress) -> None:
+    """Wait until the plain server is healthy: `plain: starting (N s)` every 15 s, then
+    `plain: server healthy after N s`. Raises RuntimeFailure when it dies or times out."""
+    next_note = [PLAIN_NOTE_S]
+
+    def on_report(report: LaunchProgress) -> None:
+        rp = report.roles[PLAIN_ROLE]
+        if rp.state == "healthy":
+            progress(f"plain: server healthy after {rp.ready_s:.0f} s")
+        elif rp.state == "starting" and report.elapsed_s >= next_note[0]:
+            progress(f"plain: starting ({report.elapsed_s:.0f} s)")
+            next_note[0] = report.elapsed_s + PLAIN_NOTE_S
+
+    wait_instances_healthy({PLAIN_ROLE: inst}, PLAIN_READY_S, time.monotonic(), on_report, cluster)
 
 
 # --- the whole run ---

@@ -25,7 +25,6 @@ import fcntl
 import logging
 import shutil
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +49,7 @@ from kvctl.cluster.state import (
     utc_now,
 )
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
+from kvctl.net import NotHealthy, answers_health, free_ports, wait_healthy
 from kvctl.runtime import get_runtime
 from kvctl.runtime.base import (
     Instance,
@@ -66,8 +66,6 @@ from kvctl.subprocesses import TAIL_LINES
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5  # how often launch checks /health and the processes
-HEALTH_TIMEOUT_S = 2.0  # one /health request
 STOP_GRACE_S = 10.0  # SIGTERM → SIGKILL
 
 
@@ -178,7 +176,7 @@ class AttachedInstance:
 
     def status(self) -> InstanceStatus:
         with httpx.Client() as client:
-            if _is_healthy(client, self.url):
+            if answers_health(client, self.url):
                 return InstanceStatus(True, detail="attached: /health answers")
         return InstanceStatus(False, detail="attached: /health does not answer")
 
@@ -247,20 +245,6 @@ def _ensure_name_free(name: str) -> None:
     remove_state(name)
 
 
-def _free_ports(count: int) -> list[int]:
-    """Distinct free loopback ports (all held open together while choosing)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
     """Each server's InstanceSpec, by instance name (`prefill`, or `prefill-0`, ...).
 
@@ -270,7 +254,7 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
     """
     cdir = cluster_dir(spec.name)
     planned = spec.instances()
-    free = iter(_free_ports(sum(1 for p in planned if not p.port)))
+    free = iter(free_ports(sum(1 for p in planned if not p.port)))
     specs = {}
     for p in planned:
         rs = spec.role(p.role)
@@ -285,62 +269,61 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
     return specs
 
 
-def _is_healthy(client: httpx.Client, url: str) -> bool:
-    try:
-        return client.get(f"{url}/health", timeout=HEALTH_TIMEOUT_S).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def _startup_failure(role: str, inst: Instance, what: str, fix: str) -> RuntimeFailure:
     tail = read_log_tail(inst.log_path, TAIL_LINES)
     details = f"last {len(tail)} lines of the {role} log ({inst.log_path}):\n" + "\n".join(tail)
     return RuntimeFailure(what, where=str(inst.log_path), fix=fix, details=details)
 
 
-def _wait_healthy(spec: ClusterSpec, instances: dict[str, Instance], t0: float,
-                  progress: ProgressFn | None) -> LaunchProgress:
-    """Poll /health and the processes until both are healthy.
+def wait_instances_healthy(instances: dict[str, Instance], timeout_s: float, t0: float,
+                           progress: ProgressFn | None, cluster: str = "") -> LaunchProgress:
+    """Poll /health and the processes until every instance is healthy.
 
-    Raises RuntimeFailure (with the failing server's log tail) when a server
-    exits or the timeout passes.
+    Raises RuntimeFailure ("the NAME server ... during start-up", "the NAME
+    server was not healthy after N s", with its log tail) when a server exits
+    or `timeout_s` after `t0` passes. `progress` gets the report after each poll.
     """
-    report = LaunchProgress(spec.name, roles={r: RoleProgress(r) for r in instances})
-    deadline = t0 + spec.timeout_s
-    with httpx.Client() as client:
-        while True:
-            report.elapsed_s = time.monotonic() - t0
-            for role, inst in instances.items():
-                rp = report.roles[role]
-                rp.last_line = last_log_line(inst.log_path)
-                if rp.state == "healthy":
-                    continue
-                status = inst.status()
-                if not status.running:
-                    rp.state = "failed"
-                    if progress:
-                        progress(report)
-                    raise _startup_failure(
-                        role, inst, f"the {role} server {status.detail} during start-up",
-                        fix="read the log tail below; correct the model, config or arguments it "
-                            "names, then launch again")
-                if _is_healthy(client, inst.url):
-                    rp.state, rp.ready_s = "healthy", time.monotonic() - t0
-                    log.info("%s server healthy after %.1f s", role, rp.ready_s)
-            if progress:
-                progress(report)
-            if all(rp.state == "healthy" for rp in report.roles.values()):
-                return report
-            if time.monotonic() > deadline:
-                role = next(r for r, rp in report.roles.items() if rp.state != "healthy")
-                report.roles[role].state = "failed"
-                if progress:
-                    progress(report)
-                raise _startup_failure(
-                    role, instances[role],
-                    f"the {role} server was not healthy after {spec.timeout_s:g} s",
-                    fix="read the log tail below; if it was still loading, raise the timeout")
-            time.sleep(POLL_S)
+    report = LaunchProgress(cluster, roles={r: RoleProgress(r) for r in instances})
+
+    def update(elapsed_s: float, ready: dict[str, float]) -> None:
+        report.elapsed_s = elapsed_s
+        for role, inst in instances.items():
+            rp = report.roles[role]
+            rp.last_line = last_log_line(inst.log_path)
+            if role in ready and rp.state != "healthy":
+                rp.state, rp.ready_s = "healthy", ready[role]
+                log.info("%s server healthy after %.1f s", role, rp.ready_s)
+
+    def on_poll(elapsed_s: float, ready: dict[str, float]) -> None:
+        update(elapsed_s, ready)
+        if progress:
+            progress(report)
+
+    servers = {r: (inst.url, _exited(inst)) for r, inst in instances.items()}
+    try:
+        wait_healthy(servers, timeout_s, t0=t0, on_poll=on_poll)
+    except NotHealthy as e:
+        update(time.monotonic() - t0, e.ready)
+        report.roles[e.name].state = "failed"
+        if progress:
+            progress(report)
+        if e.exited is not None:
+            raise _startup_failure(
+                e.name, instances[e.name], f"the {e.name} server {e.exited} during start-up",
+                fix="read the log tail below; correct the model, config or arguments it "
+                    "names, then launch again") from None
+        raise _startup_failure(
+            e.name, instances[e.name], f"the {e.name} server was not healthy after {timeout_s:g} s",
+            fix="read the log tail below; if it was still loading, raise the timeout") from None
+    return report
+
+
+def _exited(inst: Instance) -> Callable[[], str | None]:
+    """None while `inst` runs, else its status detail (e.g. "exited with code 1")."""
+    def exited() -> str | None:
+        status = inst.status()
+        return None if status.running else status.detail
+    return exited
 
 
 def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> ClusterState:
@@ -391,10 +374,10 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
                     kv_transfer_config=ispec.kv_transfer_config, cwd=str(cdir),
                     runtime_fields={**inst.record(), "vllm_engine": ispec.engine})
                 save_cluster(state)  # at once: `kvctl down` must find it if we die
-            _wait_healthy(spec, started, t0, progress)
+            wait_instances_healthy(started, spec.timeout_s, t0, progress, spec.name)
             if spec.router:
                 state.router = start_router({n: (r.role, r.url) for n, r in state.instances.items()},
-                                            cdir, _free_ports(1)[0])
+                                            cdir, free_ports(1)[0])
                 state.endpoint = state.router["url"]
                 save_cluster(state)
             return state
@@ -445,9 +428,9 @@ def cluster_status(name: str) -> ClusterStatus:
     with httpx.Client() as client:
         for role, inst in _attach_all(state).items():
             st = inst.status()
-            ok = st.running and (not state.managed or _is_healthy(client, inst.url))
+            ok = st.running and (not state.managed or answers_health(client, inst.url))
             health[role] = InstanceHealth(role, st.running, ok, st.detail)
-        endpoint_ok = _is_healthy(client, state.endpoint) if state.endpoint else None
+        endpoint_ok = answers_health(client, state.endpoint) if state.endpoint else None
     return ClusterStatus(state, health, endpoint_ok)
 
 

@@ -19,7 +19,7 @@ to the client as it arrives. See docs/router.md.
     __main__.py   `python -m kvctl.router --prefill URL --decode URL --port N ...`
     bench.py      the router's added latency against fake P/D servers (p50/p99)
 
-May import: aiohttp, `kvctl.errors`. Never torch or vLLM (it runs in kvctl's light
+May import: aiohttp, `kvctl.errors` (`bench` also `kvctl.net`). Never torch or vLLM (it runs in kvctl's light
 venv), never a command, a view, the cluster, verify or scenario packages (they
 start and drive the router; it knows nothing of them). Library code: nothing here
 prints except the `__main__` and `bench` front ends; errors name fields (`prefill`,

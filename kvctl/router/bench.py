@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from collections.abc import Callable
 import httpx
 from aiohttp import web
 
+from kvctl.net import NotHealthy, free_ports, wait_healthy
 from kvctl.router.bodies import encode, prefill_request
 
 MODULE = "kvctl.router.bench"
@@ -72,24 +72,15 @@ async def _serve_fakes(ports: list[int]) -> None:
 
 # --- the measurement ---
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url}/health did not answer 200 within {timeout_s} s")
+    def exited() -> str | None:
+        return None if proc.poll() is None else f"exited with {proc.returncode}"
+
+    try:
+        wait_healthy({url: (url, exited)}, timeout_s, poll_s=0.1)
+    except NotHealthy as e:
+        raise RuntimeError(f"{url} {e.exited}" if e.exited else
+                           f"{url}/health did not answer 200 within {timeout_s} s") from None
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -141,7 +132,7 @@ def _measure_mode(client: httpx.Client, p_url: str, d_url: str, r_url: str, stre
 
 def measure(requests: int, warmup: int) -> dict:
     """Start fakes and a router, measure both modes, stop them. Returns the report."""
-    p_port, d_port, r_port = _free_port(), _free_port(), _free_port()
+    p_port, d_port, r_port = free_ports(3)
     p_url, d_url, r_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port))
     with tempfile.TemporaryFile() as router_log:  # the router logs a line per request, as in use
         fakes = subprocess.Popen([sys.executable, "-m", MODULE, "serve-fakes", str(p_port), str(d_port)],
