@@ -466,3 +466,85 @@ class TestDefaultP128ToD32AndV0:
         assert fmt.entry_path(c.store, v1_key).exists()  # never taken for corrupt and removed
         assert "Traceback" not in v0_server.log()
         assert decoded == c.chat(c.p, prompt)
+
+
+# ======================================================================== D's worker alone (no server)
+
+# Runs in the V1 python: the worker side of FSConnector (built without vLLM's engine) loads one
+# request's positions [16, 39) of a 3-layer entry, good and then damaged in its last layer.
+WORKER_LOAD = r"""
+import json, logging, sys
+from pathlib import Path
+
+import torch
+
+from connectors.store import format as fmt, fs_store
+from connectors.v0.kv_layout import CacheGeometry
+from connectors.v1 import transfer
+from connectors.v1.fs_connector import FSConnector, FSConnectorMetadata
+from connectors.v1.kv_layout import PagedCPULayout
+from connectors.v1.transfer import LoadSpec
+
+fs_store.LOAD_CHUNK_BYTES = 1  # one layer per read: the damage is in the last of several reads
+LAYERS, H, D, N = 3, 2, 32, 16
+root = Path(sys.argv[1])
+root.mkdir()
+ident = fmt.KVIdentity(model="m", num_layers=LAYERS, kv_parts=2, kv_heads=H, head_size=D, dtype="F32")
+tokens, block_ids, start, end = list(range(100, 140)), [5, 4, 1], 16, 39  # block 5: the local prefix hit
+conn = FSConnector.__new__(FSConnector)  # the worker's state, as register_kv_caches leaves it
+conn.store, conn.identity, conn.tp_rank, conn.tp_size = fs_store.FSStore(root, fsync=False), ident, 0, 1
+conn._layout = PagedCPULayout.vec(CacheGeometry(N, H, D))
+conn._layers = [(f"model.layers.{i}.attn", torch.zeros(8, H, N, 2 * D)) for i in range(LAYERS)]
+conn._load_errors = set()
+lines = []
+handler = logging.Handler()
+handler.emit = lambda record: lines.append(record.getMessage())
+log = logging.getLogger("vllm.kvctl.fs_connector")
+log.addHandler(handler)
+log.setLevel(logging.INFO)
+kv = torch.randn(LAYERS, 2, len(tokens), H, D)
+path = conn.store.save(transfer.kv_only_identity(ident), tokens, kv, torch.empty((1, 0))).path
+slots = torch.tensor(transfer.slots_for(block_ids, N, start, end))
+
+
+def load(req_id):
+    del lines[:]
+    for _, cache in conn._layers:
+        cache.zero_()
+    conn.bind_connector_metadata(FSConnectorMetadata(block_size=N, loads=[LoadSpec(
+        req_id=req_id, token_ids=tokens, kv_only=True, block_ids=block_ids, start=start, end=end)]))
+    conn.start_load_kv(None)
+    conn.clear_connector_metadata()
+    caches = [cache for _, cache in conn._layers]
+    return {"failed": sorted(conn.get_block_ids_with_load_errors()), "lines": list(lines),
+            "exact": torch.equal(conn._layout.gather_layers(caches, slots), kv[:, :, start:end]),
+            "written": any(bool(cache.count_nonzero()) for cache in caches), "exists": path.exists()}
+
+
+good = load("good")
+header, _ = fmt.read_entry(path)
+raw = bytearray(path.read_bytes())
+raw[header.data_start + header.span("kv")[1] - 3] ^= 0x40  # the last layer's last value
+path.write_bytes(bytes(raw))
+print(json.dumps({"good": good, "damaged": load("damaged"), "data_len": header.data_len}))
+"""
+
+
+def test_a_worker_load_damaged_in_its_last_layer_reports_its_blocks_failed(v1_python, tmp_path):
+    """The worker loads layer by layer into the cache and learns of the damage at the end (the checksum):
+    its blocks go to vLLM as failed (recomputed, never served), the entry is removed, no DONE line."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "VLLM_LOGGING_LEVEL": "INFO"}
+    run = subprocess.run([str(v1_python), "-c", WORKER_LOAD, str(tmp_path / "store")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    good, damaged = result["good"], result["damaged"]
+    assert good["failed"] == [] and good["exact"] and good["exists"], good
+    [done] = good["lines"]
+    assert "KV load DONE." in done and "loaded=23 computed=1 prefix_cached=16" in done, done
+    assert f"bytes={result['data_len']}" in done, done  # the entry's data size, as before
+    assert damaged["failed"] == [1, 4], damaged  # the blocks of positions [16, 39), not the prefix hit's
+    failed = [line for line in damaged["lines"] if "KV load FAILED." in line]
+    assert len(failed) == 1 and "checksum mismatch" in failed[0] and "2 blocks reported" in failed[0], damaged
+    assert not any("KV load DONE." in line for line in damaged["lines"]), damaged
+    assert any("removed corrupt entry" in line for line in damaged["lines"]) and not damaged["exists"], damaged

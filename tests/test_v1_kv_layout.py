@@ -6,7 +6,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, UnsupportedLayout  # noqa: E402
+from connectors.store import format as fmt  # noqa: E402
+from connectors.store import fs_store  # noqa: E402
+from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, LayerWriter, UnsupportedLayout  # noqa: E402
 from connectors.v1.kv_layout import (  # noqa: E402
     PagedCPULayout,
     SplitChannelLayout,
@@ -186,3 +188,65 @@ def test_layers_are_ordered_by_model_index():
     assert [n for n, _ in ordered_layers(caches, index)] == [f"model.layers.{i}.self_attn.attn" for i in range(3)]
     with pytest.raises(ValueError, match="indices"):
         ordered_layers({"a.0": torch.zeros(1), "b.2": torch.zeros(1)}, lambda n: int(n[-1]))
+
+
+# ---------------------------------------------------------------- D's load: the store straight into the cache
+
+LOAD_N, LOAD_BLOCKS = 16, 8
+LOAD_IDENT = fmt.KVIdentity(model="m;hidden=none", num_layers=3, kv_parts=2, kv_heads=H, head_size=D, dtype="F32")
+LAYOUTS = {  # name -> (layout, an empty cache of its shape)
+    "paged_cpu": (lambda g: PagedCPULayout.vec(g), lambda: cpu_cache(LOAD_BLOCKS, LOAD_N)),
+    "split_channel": (SplitChannelLayout, lambda: split_channel_cache(LOAD_BLOCKS, LOAD_N, (0, 2, 1, 3))),
+    "flash": (FlashAttentionLayout, lambda: torch.zeros(2, LOAD_BLOCKS, LOAD_N, H, D)),
+}
+
+
+def stored_entry(root, tokens: int = 40):
+    """A V1 producer's entry (KV only) of `tokens` tokens: (store, token ids, kv, path)."""
+    ids = list(range(500, 500 + tokens))
+    kv = torch.stack([token_kv(tokens, seed=layer) for layer in range(LOAD_IDENT.num_layers)])
+    store = fs_store.FSStore(root, fsync=False)
+    path = store.save(LOAD_IDENT, ids, kv, torch.empty((1, 0))).path
+    return store, ids, kv, path
+
+
+def entry_path(root, ids):
+    return fmt.entry_path(root, fmt.compute_key(LOAD_IDENT, ids))
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_a_load_puts_positions_start_to_end_of_every_layer_into_the_requests_slots(tmp_path, name):
+    """What the V1 FSConnector's worker does: load_into + LayerWriter, the prefix-cached block left alone."""
+    make_layout, new_cache = LAYOUTS[name]
+    layout = make_layout(CacheGeometry(LOAD_N, H, D))
+    store, ids, kv, _ = stored_entry(tmp_path)
+    block_ids, start, end = [5, 2, 7], LOAD_N, len(ids) - 1  # block 5 held the local prefix hit
+    slots = torch.tensor(slots_for(block_ids, LOAD_N, start, end))
+    caches = [new_cache().fill_(0.25) for _ in range(LOAD_IDENT.num_layers)]
+    expect = [c.clone() for c in caches]
+    layout.scatter_layers(expect, slots, kv[:, :, start:end])  # the two-pass load it replaces
+    writer = LayerWriter(layout, caches, slots, slice(start, end))
+    entry = store.load_into(LOAD_IDENT, ids, writer)
+    assert entry.kv is None and entry.num_bytes == fmt.read_entry(entry_path(tmp_path, ids))[0].data_len
+    assert all(torch.equal(got, want) for got, want in zip(caches, expect))
+    assert torch.equal(layout.gather_layers(caches, slots), kv[:, :, start:end])
+    assert writer.seconds > 0
+
+
+def test_damage_in_the_last_layer_is_found_only_after_the_scatter(tmp_path, monkeypatch):
+    """The checksum covers the whole entry: a load that already wrote every layer still fails (the
+    connector must then report the blocks failed, test_v1_e2e's worker test)."""
+    monkeypatch.setattr(fs_store, "LOAD_CHUNK_BYTES", 1, raising=False)  # one layer per read
+    layout = PagedCPULayout.vec(CacheGeometry(LOAD_N, H, D))
+    store, ids, kv, path = stored_entry(tmp_path)
+    header, _ = fmt.read_entry(path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + header.span("kv")[1] - 3] ^= 0x40  # the last layer's last value
+    path.write_bytes(bytes(raw))
+    caches = [cpu_cache(LOAD_BLOCKS, LOAD_N) for _ in range(LOAD_IDENT.num_layers)]
+    written = []
+    writer = LayerWriter(layout, caches, torch.tensor(slots_for([1, 3, 4], LOAD_N, 0, len(ids) - 1)),
+                         slice(0, len(ids) - 1))
+    with pytest.raises(fmt.EntryCorrupt, match="checksum"):
+        store.load_into(LOAD_IDENT, ids, lambda layer, layer_kv: written.append(layer) or writer(layer, layer_kv))
+    assert written == list(range(LOAD_IDENT.num_layers))

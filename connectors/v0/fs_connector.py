@@ -49,7 +49,7 @@ from connectors.v0.batch import split_prefills, span_slots, span_tokens
 from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.v0.attn_backend import kv_cache_backend_name
-from connectors.v0.kv_layout import (CacheGeometry, GatherBuffers, KVLayout, SharedGathers,
+from connectors.v0.kv_layout import (CacheGeometry, GatherBuffers, KVLayout, LayerWriter, SharedGathers,
                                      UnsupportedLayout, layout_for_backend, select_layout)
 from connectors.served_model import served_model_identity, unkeyable_input_problems
 from connectors.logs import SendFailureLog, get_logger
@@ -217,18 +217,12 @@ class FSConnector(KVConnectorBase):
         identity, layout = self._bind(kv_caches)
         device = kv_caches[0].device
         start = time.perf_counter()
-        scatter_s = [0.0]
+        scatter_s = 0.0
         loaded = []
         for span in step.spans:
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
-            plan = layout.plan(span_slots(model_input, span))
-
-            def write_layer(layer: int, kv: torch.Tensor, plan=plan) -> None:
-                begin = time.perf_counter()
-                layout.scatter_plan(kv_caches[layer], plan, kv)
-                scatter_s[0] += time.perf_counter() - begin
-
+            write_layer = LayerWriter(layout, kv_caches, span_slots(model_input, span))
             # Each layer goes from the file into the paged cache through one reused staging
             # buffer. What it wrote before a failure (checksum, miss of a later request) is
             # overwritten: any failure recomputes the whole step.
@@ -246,7 +240,8 @@ class FSConnector(KVConnectorBase):
                 logger.exception("[rank%d]: unexpected error loading key=%s", self.rank, key)
                 return self._redo(model_input, f"unreadable key={key}: {type(e).__name__}: {e}")
             loaded.append((span, entry))
-        load_s = time.perf_counter() - start - scatter_s[0]
+            scatter_s += write_layer.seconds
+        load_s = time.perf_counter() - start - scatter_s
         # The sampler reads only each prompt's last position (no prompt logprobs here).
         last = step.spans[-1].end
         hidden = loaded[0][1].hidden.new_zeros((last, loaded[0][1].hidden.shape[-1]), device=device)
@@ -255,7 +250,7 @@ class FSConnector(KVConnectorBase):
         keys = ",".join(entry.key for _, entry in loaded)
         logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f load_ms=%.1f scatter_ms=%.1f",
                     self.rank, keys, last, sum(e.num_bytes for _, e in loaded),
-                    (time.perf_counter() - start) * 1e3, load_s * 1e3, scatter_s[0] * 1e3)
+                    (time.perf_counter() - start) * 1e3, load_s * 1e3, scatter_s * 1e3)
         return hidden, True, model_input
 
     def _remove_corrupt(self, error: fmt.EntryCorrupt) -> None:

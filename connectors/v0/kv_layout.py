@@ -35,6 +35,7 @@ Imports torch and numpy only (no vLLM): `kvctl.bench.layout` runs these adapters
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,27 @@ class KVLayout:
 
     def _new_out(self, cache: torch.Tensor, tokens: int) -> torch.Tensor:
         return cache.new_empty((self.kv_parts, tokens, self.g.kv_heads, self.g.head_size))
+
+
+class LayerWriter:
+    """`FSStore.load_into`'s ``write_layer``: each layer's token-major KV into its paged cache.
+
+    Token positions `positions` of a layer's ``[kv_parts, tokens, heads,
+    head_size]`` KV go to `slots` of ``caches[layer]``, through the layout's
+    plan of the slots, worked out once for every layer. `seconds` adds up
+    the time spent scattering.
+    """
+
+    def __init__(self, layout: KVLayout, caches: list[torch.Tensor], slots: torch.Tensor,
+                 positions: slice = slice(None)):
+        self.layout, self.caches, self.positions = layout, caches, positions
+        self.plan = layout.plan(slots)
+        self.seconds = 0.0
+
+    def __call__(self, layer: int, kv: torch.Tensor) -> None:
+        begin = time.perf_counter()
+        self.layout.scatter_plan(self.caches[layer], self.plan, kv[:, self.positions])
+        self.seconds += time.perf_counter() - begin
 
 
 # --- reusable gather outputs: a fresh one faults in 4 KiB at a time ---

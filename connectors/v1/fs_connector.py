@@ -26,11 +26,13 @@ Worker side (one instance per worker):
 - `register_kv_caches`: picks the layout adapter (connectors.v1.kv_layout)
   from the attention backend and the cache's shape; the CPU page layout is
   probed from vLLM's own cache-write kernel.
-- `start_load_kv`: loads each entry (checked again: checksum, tokens) and
-  scatters positions [start, end) into the request's slots, before the
-  forward pass. A failure here (the entry vanished or changed since the
-  scheduler checked it) is reported to vLLM as failed blocks, and vLLM's
-  `kv_load_failure_policy` decides (recompute or fail the request).
+- `start_load_kv`: loads each entry (checked again: checksum, tokens) layer
+  by layer straight into the paged cache (`FSStore.load_into`: positions
+  [start, end) into the request's slots), before the forward pass. A failure
+  here (the entry vanished or changed since the scheduler checked it; a
+  checksum failure shows only after every layer was written) is reported to
+  vLLM as failed blocks, and vLLM's `kv_load_failure_policy` decides
+  (recompute or fail the request): nothing from a failed load is served.
 - `wait_for_save`: after the forward pass, gathers every layer's KV of each
   completed prompt and publishes it (atomic; nothing for a prompt already
   stored).
@@ -69,6 +71,7 @@ from connectors.store import format as fmt
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.store.model_identity import ModelIdentityError
 from connectors.served_model import served_model_identity, unkeyable_input_problems
+from connectors.v0.kv_layout import LayerWriter
 from connectors.v1 import transfer
 from connectors.v1.kv_layout import UnsupportedLayout, ordered_layers, select_layout
 from connectors.v1.transfer import LoadSpec, SaveSpec, Skip, StepPlan
@@ -308,12 +311,15 @@ class FSConnector(KVConnectorBase_V1):
         start_t = time.perf_counter()
         device = self._layers[0][1].device
         try:
-            entry = self.store.load(identity, load.token_ids, "cpu")
             slots = torch.tensor(transfer.slots_for(load.block_ids, block_size, load.start, load.end),
                                  dtype=torch.int64, device=device)
-            rows = entry.kv[:, :, load.start:load.end].to(device)
-            caches = [cache for _, cache in self._layers]
-            self._layout.scatter_layers(caches, slots, rows)
+            # Each layer goes from the file into its paged cache through the store's reused
+            # staging buffer (positions [start, end) of the entry). The checksum is known only
+            # after the last layer: what a failed load wrote stays in blocks reported failed
+            # below, which vLLM recomputes (or fails the request) and never serves.
+            write_layer = LayerWriter(self._layout, [cache for _, cache in self._layers], slots,
+                                      slice(load.start, load.end))
+            entry = self.store.load_into(identity, load.token_ids, write_layer)
         except (FileNotFoundError, fmt.StoreError, OSError, ValueError) as e:
             failed = _blocks_of(load.block_ids, block_size, load.start, load.end)
             self._load_errors.update(failed)
