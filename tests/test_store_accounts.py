@@ -66,10 +66,21 @@ def key_name(i: int) -> str:
     return fmt.entry_path("/", fmt.compute_key(IDENT, tokens_of(i))).name
 
 
-def test_publishes_do_not_list_the_store_and_accounts_stay_exact(tmp_path, monkeypatch):
-    size = entry_size(tmp_path)
+@pytest.fixture
+def size(tmp_path) -> int:
+    """The size of one published entry (all entries here are the same size)."""
+    return entry_size(tmp_path)
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    """An empty store directory."""
     root = tmp_path / "store"
     root.mkdir()
+    return root
+
+
+def test_publishes_do_not_list_the_store_and_accounts_stay_exact(root, size, monkeypatch):
     fill(root, 0, 320)
     scans = []
     real_scan = eviction._scan
@@ -90,10 +101,7 @@ def test_publishes_do_not_list_the_store_and_accounts_stay_exact(tmp_path, monke
     assert store.guard.scans == 2
 
 
-def test_lru_skips_entries_used_since_the_scan(tmp_path):
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
+def test_lru_skips_entries_used_since_the_scan(root, size):
     fill(root, 0, 40)
     past = time.time() - 1000
     for n, (path, _, _) in enumerate(sorted(published_entries(root), key=lambda e: e[0].name)):
@@ -109,10 +117,7 @@ def test_lru_skips_entries_used_since_the_scan(tmp_path):
     assert order[0] not in names and order[1] in names and order[2] not in names
 
 
-def test_deletes_behind_the_writers_back_are_reconciled(tmp_path):
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
+def test_deletes_behind_the_writers_back_are_reconciled(root, size):
     fill(root, 0, 64)
     store = FSStore(root, fsync=False, max_bytes=64 * size)
     publish(store, 1000)
@@ -129,10 +134,7 @@ def test_deletes_behind_the_writers_back_are_reconciled(tmp_path):
 
 
 @pytest.mark.parametrize("damage", [b"", b"garbage" * 20, None])
-def test_missing_or_damaged_accounts_are_rebuilt(tmp_path, damage):
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
+def test_missing_or_damaged_accounts_are_rebuilt(root, size, damage):
     fill(root, 0, 50)
     lock = root / fmt.LOCK_NAME
     if damage is None:
@@ -152,9 +154,7 @@ def test_missing_or_damaged_accounts_are_rebuilt(tmp_path, damage):
     assert acc.total_bytes == published_bytes(root)
 
 
-def test_ttl_reaches_entries_published_after_the_last_scan(tmp_path):
-    root = tmp_path / "store"
-    root.mkdir()
+def test_ttl_reaches_entries_published_after_the_last_scan(root):
     store = FSStore(root, fsync=False, ttl_seconds=1.5)
     for i in range(60):
         publish(store, i)
@@ -163,9 +163,7 @@ def test_ttl_reaches_entries_published_after_the_last_scan(tmp_path):
     assert [p.name for p, _, _ in published_entries(root)] == [key_name(1000)]
 
 
-def test_replacing_an_entry_counts_it_once(tmp_path):
-    root = tmp_path / "store"
-    root.mkdir()
+def test_replacing_an_entry_counts_it_once(root):
     store = FSStore(root, fsync=False, max_bytes=1 << 20)
     for _ in range(5):
         publish(store, 7)
@@ -173,10 +171,7 @@ def test_replacing_an_entry_counts_it_once(tmp_path):
     assert (acc.total_bytes, acc.count) == (published_bytes(root), 1)
 
 
-def test_bounded_publish_guard_directly_keeps_foreign_files(tmp_path):
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
+def test_bounded_publish_guard_directly_keeps_foreign_files(root, size):
     (root / "model.safetensors").write_bytes(b"\0" * size)
     guard = BoundedPublish(root, max_bytes=3 * size, ttl_seconds=None)
     for i in range(10):
@@ -204,10 +199,7 @@ def _producer(root: str, first: int, count: int, bound: int) -> None:
                 pass
 
 
-def test_processes_share_one_bound_without_listing_per_publish(tmp_path):
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
+def test_processes_share_one_bound_without_listing_per_publish(root, size):
     fill(root, 0, 200)
     bound = 200 * size
     ctx = mp.get_context("spawn")
@@ -241,10 +233,7 @@ def _endless_producer(root: str, first: int, bound: int, ready) -> None:
         i += 1
 
 
-def test_killed_writers_leave_the_bound_held_and_the_accounts_over_counting(tmp_path):
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
+def test_killed_writers_leave_the_bound_held_and_the_accounts_over_counting(root, size):
     fill(root, 0, 40)
     bound = 40 * size
     ctx = mp.get_context("fork")
@@ -269,11 +258,8 @@ def test_killed_writers_leave_the_bound_held_and_the_accounts_over_counting(tmp_
     assert acc.total_bytes == published_bytes(root) <= bound
 
 
-def test_concurrent_threads_in_one_process(tmp_path):
+def test_concurrent_threads_in_one_process(root, size):
     """FSStore is thread-safe: the guard's candidates change only under the (per-descriptor) flock."""
-    size = entry_size(tmp_path)
-    root = tmp_path / "store"
-    root.mkdir()
     store = FSStore(root, fsync=False, max_bytes=30 * size)
     errors = []
 
