@@ -250,3 +250,24 @@ def test_damage_in_the_last_layer_is_found_only_after_the_scatter(tmp_path, monk
     with pytest.raises(fmt.EntryCorrupt, match="checksum"):
         store.load_into(LOAD_IDENT, ids, lambda layer, layer_kv: written.append(layer) or writer(layer, layer_kv))
     assert written == list(range(LOAD_IDENT.num_layers))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_layouts_plan_writes_what_scatter_writes_whatever_the_caches_strides(dtype):
+    """One plan for every layer, even when layers differ in strides or start inside a larger buffer."""
+    n = 32
+    layout = PagedCPULayout(CacheGeometry(n, H, D), *probe_page_positions(blocked_writer, CacheGeometry(n, H, D),
+                                                                          dtype))
+    slots = torch.tensor(slots_for([4, 0, 2], n, 5, 3 * n - 7))  # a partial first and last block
+    kv = token_kv(len(slots), dtype)
+    heads_outer = torch.zeros(H, 6, n, 2 * D, dtype=dtype).transpose(0, 1)  # [blocks, heads, ...], heads outermost
+    inside = torch.zeros(7, H, n, 2 * D, dtype=dtype)[1:]  # storage offset of one block
+    plan = layout.plan(slots)
+    for cache in (cpu_cache(6, n, dtype), heads_outer, inside):
+        cache.fill_(0.5)
+        expect = cache.clone()
+        layout.scatter(expect, slots, kv)
+        layout.scatter_plan(cache, plan, kv)
+        assert torch.equal(cache, expect)
+        assert torch.equal(layout.gather(cache, slots), kv)
+    assert len(plan.elements) == 2  # per strides: the offset view has the contiguous cache's

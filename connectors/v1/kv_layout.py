@@ -27,7 +27,7 @@ blocks, so a manager slot ``s`` is kernel block ``s // N``, offset ``s % N``.
 Every adapter here addresses its cache that way, with its geometry's
 ``block_size`` set to the view's ``N``.
 
-Imports torch only (no vLLM): the CPU kernel is passed in as a function
+Imports torch and numpy only (no vLLM): the CPU kernel is passed in as a function
 (`probe_page_positions`), so tests run on plain CPU tensors.
 """
 
@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, KVLayout, UnsupportedLayout
@@ -145,6 +147,45 @@ class PagedCPULayout(KVLayout):
         pages = self._pages(cache)
         pages[self._index(slots, self.key_pos)] = _bits(kv[0].to(cache.dtype))
         pages[self._index(slots, self.value_pos)] = _bits(kv[1].to(cache.dtype))
+
+    def plan(self, slots):
+        return PagePlan(slots.reshape(-1).to("cpu", torch.int64))
+
+    def scatter_plan(self, cache, plan, kv):
+        """`scatter` through the plan's element indices: one index assignment per layer and part.
+
+        (Four times faster than `scatter`, whose three broadcast indices are
+        worked out again for every layer and cost more than the data they move.)
+        """
+        self._pages(cache)  # checks the page strides
+        kv = kv.to(cache.device, cache.dtype)
+        storage, indices = self._elements(cache, plan)
+        for part, index in zip(kv, indices):
+            storage[index] = _bits(part).reshape(-1).numpy()
+
+    def _elements(self, cache: torch.Tensor, plan: "PagePlan") -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """The cache's elements as one flat array, and where `plan`'s K and V elements are in it."""
+        g = self.g
+        strides = (cache.stride(0), cache.stride(1))
+        indices = plan.elements.get(strides)
+        if indices is None:
+            block, offset = _block_offset(plan.slots, g.block_size)
+            page_start = block[:, None, None] * strides[0] + torch.arange(g.kv_heads)[None, :, None] * strides[1]
+            indices = tuple((page_start + pos[offset][:, None, :]).reshape(-1).numpy()
+                            for pos in (self.key_pos, self.value_pos))
+            plan.elements[strides] = indices
+        span = (cache.shape[0] - 1) * strides[0] + (g.kv_heads - 1) * strides[1] + 2 * g.block_size * g.head_size
+        return _bits(cache).as_strided((span,), (1,)).numpy(), indices
+
+
+@dataclass
+class PagePlan:
+    """`PagedCPULayout.plan`: a request's slots, and their K and V elements' places in a cache
+    (flat element indices, [tokens * heads * head_size] each), per cache strides, worked out once
+    for every layer."""
+
+    slots: torch.Tensor
+    elements: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
 
 def probe_page_positions(write: CacheWriter, geometry: CacheGeometry,
