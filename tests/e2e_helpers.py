@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import httpx
 import pytest
 
 from connectors.store import format as fmt
 from kvctl.verify import markers
 from kvctl.client import VLLMClient, user_messages
+from kvctl.router.route_log import RouteRecord, parse_route_line
 
 
 @contextlib.contextmanager
@@ -61,6 +63,48 @@ def launched_by_cli(tmp_path_factory, shared_dir: Path, name: str, *launch: str,
                     kvctl("detach", state.parent.name)
             kvctl("down", "--name", name)
             assert live_processes_under(home) == []
+
+
+@dataclass
+class Routed:
+    """Requests sent through a cluster's endpoint (`send_through_endpoint`)."""
+
+    baseline: str  # what prefill-0 alone answers
+    served: list[tuple[str, str, str]]  # (request id, prefill instance, decode instance) from the headers
+    records: dict[str, RouteRecord]  # the router's log lines written meanwhile, by request id
+
+
+def send_through_endpoint(state: dict, prompt: str, count: int = 4, *, stream: bool = False,
+                          baseline_timeout: float = 120) -> Routed:
+    """`count` chat requests through the endpoint of a launch's JSON `state` with the `openai` SDK
+    (16 tokens, greedy), each asserted to answer what prefill-0 alone answers (the baseline,
+    asked directly first); with `stream`, one more streamed request, asserted likewise."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key="unused", max_retries=0)
+    model = state["served_model_name"]
+    messages = [{"role": "user", "content": prompt}]
+    base = httpx.post(f"{state['instances']['prefill-0']['url']}/v1/chat/completions",
+                      timeout=baseline_timeout, json={
+        "model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
+    }).json()["choices"][0]["message"]["content"]
+    assert base
+    router_log = Path(state["router"]["log_path"])
+    seen_lines = len(router_log.read_text().splitlines())
+    served = []
+    for _ in range(count):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, messages=messages, max_tokens=16, temperature=0)
+        assert raw.parse().choices[0].message.content == base
+        served.append((raw.headers["x-request-id"], raw.headers["x-kvctl-prefill"],
+                       raw.headers["x-kvctl-decode"]))
+    if stream:
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=model, messages=messages, max_tokens=16, temperature=0, stream=True) if c.choices)
+        assert streamed == base
+    records = {rec.id: rec for line in router_log.read_text().splitlines()[seen_lines:]
+               if (rec := parse_route_line(line)) is not None}
+    return Routed(base, served, records)
 
 
 @dataclass

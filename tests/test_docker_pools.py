@@ -22,16 +22,15 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from conftest import live_processes_under, pid_alive
 from docker_helpers import our_containers
+from e2e_helpers import send_through_endpoint
 
 from kvctl.cluster.lifecycle import instance_specs
 from kvctl.cluster.spec import build_1p1d_spec, build_pd_spec
 from kvctl.errors import BadInput
 from kvctl.net import free_ports
-from kvctl.router.route_log import parse_route_line
 from kvctl.runtime.docker import DockerRuntime, container_name
 from kvctl.runtime.docker_options import default_gpu_lists, docker_options, gpu_lists, parse_gpus
 
@@ -217,8 +216,6 @@ def _skips(log: str) -> int:
 @pytest.mark.xdist_group("vllm")
 def test_docker_2p1d_behind_the_router_serves_from_every_instance_and_down_leaves_nothing(
         kvctl, kvctl_home, main_engine, cpu_tag, tiny_model, vllm_slot):
-    import openai
-
     t0 = time.monotonic()
     r = kvctl("launch", "pd", "--prefill", "2", "--decode", "1", "--runtime", "docker", "--image", cpu_tag,
               "--name", "dpool", "--model", str(tiny_model), "--timeout", str(LAUNCH_TIMEOUT_S), "--json",
@@ -249,30 +246,11 @@ def test_docker_2p1d_behind_the_router_serves_from_every_instance_and_down_leave
             n: (NAMES[n], inst[n]["url"]) for n in NAMES}
         assert all(i["url"].startswith("http://127.0.0.1:") and i["healthy"] for i in doc["instances"].values())
 
-        client = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key="unused", max_retries=0)
-        model = state["served_model_name"]
-        messages = [{"role": "user", "content": PROMPT}]
-        base = httpx.post(f"{inst['prefill-0']['url']}/v1/chat/completions", timeout=300, json={
-            "model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
-        }).json()["choices"][0]["message"]["content"]
-        assert base
         skips = _skips(inst["decode-0"]["log_path"])
-        router_log = Path(state["router"]["log_path"])
-        seen_lines = len(router_log.read_text().splitlines())
-        served = []
-        for _ in range(4):
-            raw = client.chat.completions.with_raw_response.create(
-                model=model, messages=messages, max_tokens=16, temperature=0)
-            assert raw.parse().choices[0].message.content == base
-            served.append((raw.headers["x-request-id"], raw.headers["x-kvctl-prefill"],
-                           raw.headers["x-kvctl-decode"]))
-        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=model, messages=messages, max_tokens=16, temperature=0, stream=True) if c.choices)
-        assert streamed == base
+        sent = send_through_endpoint(state, PROMPT, 4, stream=True, baseline_timeout=300)
+        served, records = sent.served, sent.records
         assert {p for _, p, _ in served} == {"prefill-0", "prefill-1"}, served
         assert {d for _, _, d in served} == {"decode-0"}, served
-        records = {rec.id: rec for line in router_log.read_text().splitlines()[seen_lines:]
-                   if (rec := parse_route_line(line)) is not None}
         for request_id, p, d in served:  # the router's log, and each container's log, name the request
             assert (records[request_id].prefill, records[request_id].decode) == (p, d)
             assert request_id in Path(inst[p]["log_path"]).read_text()

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 from conftest import Kvctl, group_alive, pid_alive
+from e2e_helpers import send_through_endpoint
 
 from kvctl.router.route_log import parse_route_line
 
@@ -78,30 +78,13 @@ def _skips(log: str) -> int:
 def test_requests_through_the_endpoint_reach_every_instance_and_match_the_baseline(cluster):
     kvctl, state = cluster
     inst = state["instances"]
-    client = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key="unused", max_retries=0)
-    model = state["served_model_name"]
-    messages = [{"role": "user", "content": PROMPT}]
-    base = httpx.post(f"{inst['prefill-0']['url']}/v1/chat/completions", timeout=120, json={
-        "model": model, "messages": messages, "max_tokens": 16, "temperature": 0,
-    }).json()["choices"][0]["message"]["content"]
-    assert base
     skips = {n: _skips(inst[n]["log_path"]) for n in ("decode-0", "decode-1")}
-    router_log = Path(state["router"]["log_path"])
-    seen_lines = len(router_log.read_text().splitlines())
-
-    served: list[tuple[str, str, str]] = []
-    for _ in range(4):
-        raw = client.chat.completions.with_raw_response.create(
-            model=model, messages=messages, max_tokens=16, temperature=0)
-        assert raw.parse().choices[0].message.content == base
-        served.append((raw.headers["x-request-id"], raw.headers["x-kvctl-prefill"],
-                       raw.headers["x-kvctl-decode"]))
+    sent = send_through_endpoint(state, PROMPT, 4)
+    served = sent.served
     assert {p for _, p, _ in served} == {"prefill-0", "prefill-1"}, served
     assert {d for _, _, d in served} == {"decode-0", "decode-1"}, served
 
-    records = [rec for line in router_log.read_text().splitlines()[seen_lines:]
-               if (rec := parse_route_line(line)) is not None]
-    by_id = {rec.id: rec for rec in records}
+    by_id = sent.records
     for request_id, p, d in served:  # the router's log names the same P and D for each request
         assert (by_id[request_id].prefill, by_id[request_id].decode) == (p, d)
     # every D served its requests from the store, and each request id is in its P's and D's log
