@@ -63,7 +63,7 @@ demo: rig
 
 test: test-env docker-ready rig-v1
 	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 \
-	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider $(PYTEST_ARGS) tests
+	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider --durations=25 $(PYTEST_ARGS) tests
 
 # Everything that needs neither vLLM servers nor docker.
 test-fast: test-env
