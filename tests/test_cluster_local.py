@@ -25,6 +25,7 @@ from conftest import group_alive, live_processes_under, pid_alive
 from kvctl.cluster.spec import build_1p1d_spec
 from kvctl.cluster.state import ClusterState, InstanceRecord, save_cluster, utc_now
 from kvctl.cluster.lifecycle import down, running_cluster
+from kvctl.net import free_ports
 from kvctl.runtime.processes import process_start_ticks
 
 
@@ -346,9 +347,7 @@ BAD_LAUNCHES = [
 
 @pytest.fixture
 def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @pytest.mark.parametrize("args,where,what", BAD_LAUNCHES, ids=[w + ":" + m for _, w, m in BAD_LAUNCHES])

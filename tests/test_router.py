@@ -13,7 +13,6 @@ import asyncio
 import json
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
+from kvctl.net import free_ports
 from kvctl.router.app import LISTENING, RunningRouter, start_router
 from kvctl.router.config import build_config
 from kvctl.router.route_log import parse_route_line
@@ -714,16 +714,10 @@ def test_metrics_are_prometheus_text(make_cluster):
 
 # --- the process: python -m kvctl.router ---
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_router_process(make_cluster, aloop, tmp_path):
     fakes = make_cluster()  # its own in-process router is not used here
     log_path = tmp_path / "router.log"
-    port = _free_port()
+    port = free_ports(1)[0]
     argv = [sys.executable, "-m", "kvctl.router", "--prefill", f"p-main={fakes.prefill[0].url}",
             "--decode", fakes.decode[0].url, "--port", str(port), "--health-interval", "0.5"]
     with open(log_path, "w") as log:
