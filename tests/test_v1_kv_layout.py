@@ -271,3 +271,22 @@ def test_the_cpu_layouts_plan_writes_what_scatter_writes_whatever_the_caches_str
         assert torch.equal(cache, expect)
         assert torch.equal(layout.gather(cache, slots), kv)
     assert len(plan.elements) == 2  # per strides: the offset view has the contiguous cache's
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_layouts_planned_gather_of_every_layer_reads_what_gather_reads(dtype):
+    """gather_layers (one plan for all layers, P's send) equals per-layer gather, whatever each layer's strides."""
+    n = 32
+    layout = PagedCPULayout(CacheGeometry(n, H, D), *probe_page_positions(blocked_writer, CacheGeometry(n, H, D),
+                                                                          dtype))
+    slots = torch.tensor(slots_for([4, 0, 2], n, 5, 3 * n - 7))
+    caches = [cpu_cache(6, n, dtype), torch.zeros(H, 6, n, 2 * D, dtype=dtype).transpose(0, 1),
+              torch.zeros(7, H, n, 2 * D, dtype=dtype)[1:]]
+    kv = torch.stack([token_kv(len(slots), dtype, seed=s) for s in range(len(caches))])
+    for cache, layer_kv in zip(caches, kv):
+        cache.fill_(0.5)
+        layout.scatter(cache, slots, layer_kv)
+    out = torch.full_like(kv, -1)
+    assert layout.gather_layers(caches, slots, out) is out
+    assert torch.equal(out, kv)
+    assert torch.equal(torch.stack([layout.gather(c, slots) for c in caches]), kv)

@@ -163,6 +163,21 @@ class PagedCPULayout(KVLayout):
         for part, index in zip(kv, indices):
             storage[index] = _bits(part).reshape(-1).numpy()
 
+    def gather_layers(self, caches, slots, out=None):
+        """`gather` of every layer through one plan (the element indices are worked out once,
+        as for `scatter_plan`), each part taken straight into its slice of `out`."""
+        if out is None:
+            out = caches[0].new_empty(self.layers_shape(len(caches), slots.shape[0]))
+        if caches[0].device.type != "cpu" or not out.is_contiguous():
+            return super().gather_layers(caches, slots, out)
+        plan = self.plan(slots)
+        for cache, layer_out in zip(caches, out):
+            self._pages(cache)  # checks the page strides
+            storage, indices = self._elements(cache, plan)
+            for part, index in zip(layer_out, indices):
+                np.take(storage, index, out=_bits(part).reshape(-1).numpy())
+        return out
+
     def _elements(self, cache: torch.Tensor, plan: "PagePlan") -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """The cache's elements as one flat array, and where `plan`'s K and V elements are in it."""
         g = self.g
