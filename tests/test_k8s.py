@@ -51,6 +51,13 @@ def test_the_check_sees_unknown_fields_wrong_types_and_missing_names():
     assert "refuses it" in check_document(doc)[0]
 
 
+def test_the_check_reports_a_list_where_a_mapping_belongs():
+    doc = render_k8s(SEED_2P2D).manifests["prefill.yaml"][1]
+    doc["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] = ["nvidia.com/gpu"]
+    problems = check_document(doc)  # the client calls .items() on the list: reported, not raised
+    assert len(problems) == 1 and "V1StatefulSet refuses it: AttributeError" in problems[0], problems
+
+
 @pytest.mark.parametrize("name", sorted(p.relative_to(GOLDEN / "seed-2p2d").as_posix()
                                         for p in (GOLDEN / "seed-2p2d").rglob("*") if p.is_file()))
 def test_seed_shape_matches_golden(name, tmp_path):

@@ -84,8 +84,10 @@ def check_document(doc: dict[str, Any]) -> list[str]:
         # The dict -> model step every response goes through; its public wrapper
         # `deserialize` takes a response object whose shape changed across releases.
         obj = api._ApiClient__deserialize(json.loads(json.dumps(doc)), model)  # type: ignore[attr-defined]
-    except (ValueError, TypeError) as e:  # a missing required field; pydantic's ValidationError is a ValueError
-        return [f"{where}: {model} refuses it: {e}"]
+    except (ValueError, TypeError, AttributeError) as e:
+        # a missing required field (ValueError), a wrong type (TypeError), or a list where the
+        # model wants a mapping (the client calls .items() on it: AttributeError)
+        return [f"{where}: {model} refuses it: {type(e).__name__}: {e}"]
     back = api.sanitize_for_serialization(obj)
     return [f"{where}: {p}" for p in _differences(doc, back, "$")]
 
