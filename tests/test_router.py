@@ -489,6 +489,19 @@ def test_prefill_dying_mid_answer_gives_502_naming_it(make_cluster):
     assert c.decode[0].completions() == []
 
 
+def test_prefill_timing_out_is_named_in_the_answer_and_the_route_line(make_cluster, caplog):
+    c = make_cluster(prefill_timeout_s=0.5)
+    c.prefill[0].delay_s = 3.0  # no answer (not even headers) before the router gives up
+    with caplog.at_level("INFO", logger="kvctl.router"):
+        r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "prefill_timeout"
+    assert r.headers["X-Kvctl-Prefill"] == "prefill-0"
+    lines = [parse_route_line(m.getMessage()) for m in caplog.records]
+    routed = [x for x in lines if x is not None and x.id == r.headers["X-Request-Id"]]
+    assert len(routed) == 1 and routed[0].prefill == "prefill-0" and routed[0].decode is None, routed
+    assert c.decode[0].completions() == []
+
+
 def test_decode_5xx_gives_502_naming_it(make_cluster):
     c = make_cluster()
     c.decode[0].status = 503

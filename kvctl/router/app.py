@@ -47,6 +47,7 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -213,8 +214,12 @@ class Router:
         """
         pool = self.pools["prefill"]
         sent = time.perf_counter()
-        inst, resp = await self._open(pool, "POST", request.raw_path, body, upstream_headers, self._p_timeout)
-        rec.prefill = headers[PREFILL_HEADER] = inst.name
+
+        def picked(inst: InstanceState) -> None:  # named before it answers: a timeout or a client
+            rec.prefill = headers[PREFILL_HEADER] = inst.name  # gone meanwhile still says which P
+
+        inst, resp = await self._open(pool, "POST", request.raw_path, body, upstream_headers, self._p_timeout,
+                                      picked)
         try:
             answer = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -237,8 +242,12 @@ class Router:
         """D's part: the client's body as received, D's answer relayed as it arrives."""
         pool = self.pools["decode"]
         sent = time.perf_counter()
-        inst, resp = await self._open(pool, "POST", request.raw_path, body, upstream_headers, self._d_timeout)
-        rec.decode = headers[DECODE_HEADER] = inst.name
+
+        def picked(inst: InstanceState) -> None:
+            rec.decode = headers[DECODE_HEADER] = inst.name
+
+        inst, resp = await self._open(pool, "POST", request.raw_path, body, upstream_headers, self._d_timeout,
+                                      picked)
         try:
             if not 200 <= resp.status < 300:
                 try:
@@ -305,18 +314,22 @@ class Router:
 
     async def _open(self, pool: Pool, method: str, path: str, body: bytes | None,
                     headers: dict[str, str], timeout: aiohttp.ClientTimeout,
+                    picked: Callable[[InstanceState], None] | None = None,
                     ) -> tuple[InstanceState, aiohttp.ClientResponse]:
         """Send to the pool's next instance; returns it (its lease held: the caller
         decrements `outstanding`) and its response with the headers read.
 
         A connect error marks that instance down and tries the next healthy one.
         Raises UpstreamError: 503 when no instance is healthy, 502 when none could
-        be reached or the one reached failed before answering.
+        be reached or the one reached failed before answering. `picked(inst)` is
+        called for each instance tried, before it answers.
         """
         tried: list[InstanceState] = []
         unreachable: list[str] = []
         while (inst := pool.pick(exclude=tried)) is not None:
             tried.append(inst)
+            if picked is not None:
+                picked(inst)
             inst.outstanding += 1
             inst.served += 1
             self.metrics.inc(self.metrics.instance_requests, role=pool.role, instance=inst.name)
