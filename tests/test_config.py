@@ -209,7 +209,7 @@ def test_cli_validate_seed_configs_all_forms(tmp_path):
     relative = kvctl("validate", "@p.json", "--json", cwd=tmp_path)
     assert relative.returncode == 0
     assert json.loads(relative.stdout) == {"target": "p.json", "kind": "kv_transfer_config", "valid": True,
-                                           "errors": 0, "warnings": 0, "problems": []}
+                                           "errors": 0, "warnings": 0, "problems": [], "engine": "v0"}
 
 
 def test_cli_validate_lists_every_problem_and_exits_2():

@@ -25,6 +25,7 @@ from kvctl.errors import BadInput
 from kvctl.provision.images import default_image
 from kvctl.runtime.docker import DockerRuntime
 from kvctl.verify.checks import CHECKS, third_party_checks
+from seed_configs import SEED_D, SEED_P
 from kvctl.verify.verifier import expected_send_children
 
 
@@ -121,6 +122,12 @@ def test_kvctl_validate_says_the_engine(kvctl, tmp_path):
     assert r.rc == 0 and json.loads(r.stdout)["engine"] == "v1", r
     r = kvctl("validate", f"@{path}")
     assert r.rc == 0 and "needs engine v1" in r.stdout, r
+    # The seed's MultiConnectorV0 needs V0; FSConnector alone runs on both.
+    for cfg, engine, words in ((SEED_P, "v0", "needs engine v0"), (SEED_D, "any", "runs on engine v0 or v1")):
+        r = kvctl("validate", json.dumps(cfg), "--json")
+        assert r.rc == 0 and json.loads(r.stdout)["engine"] == engine, r
+        r = kvctl("validate", json.dumps(cfg))
+        assert r.rc == 0 and words in r.stdout, r
 
 
 def test_default_docker_image_per_engine():

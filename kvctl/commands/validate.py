@@ -23,9 +23,9 @@ def validate_cmd(
     """Validate a --kv-transfer-config (incl. MultiConnectorV0 or vLLM V1 MultiConnector children) or a scenario.
 
     Lists every problem with its JSON path and fix; exits 2 on any error
-    (warnings alone exit 0). A config that needs vLLM V1 (a V1 connector,
-    MultiConnector, kv_connector_module_path) is checked for V1 and says so
-    ("engine": "v1" in --json).
+    (warnings alone exit 0). Says which engine a config needs ("engine" in
+    --json: "v0", "v1", or "any" when both run it); one that needs vLLM V1
+    (a V1 connector, MultiConnector, kv_connector_module_path) is checked for V1.
     """
     out = Output(json_mode=json_out)
     result = validate_target(target)

@@ -2,9 +2,9 @@
 
 Reading the target and choosing the engine to check a config for are the
 only things added here (a config that names a V1-only connector or a
-`kv_connector_module_path` is checked as V1, else as V0; `"engine": "v1"`
-in the JSON result says it needs V1, and the key is absent when the default
-engine v0 runs it, so V0 results keep their shape); the checks are
+`kv_connector_module_path` is checked as V1, else as V0; the JSON result's
+`"engine"` says which engine the config needs: "v0", "v1", or "any" when
+either runs it, FSConnector alone); the checks are
 connectors.config.validate's and kvctl.scenario.schema's. Nothing is started.
 """
 
@@ -19,12 +19,15 @@ from kvctl.errors import BadInput
 from kvctl.scenario.schema import SCENARIO_SUFFIXES, check_scenario, read_scenario_yaml, scenario_file
 
 
+ENGINE_ANY = "any"  # a config both engines run (FSConnector alone)
+
+
 @dataclass
 class ValidationResult:
     target: str
     kind: str  # "kv_transfer_config" or "scenario"
     problems: list[ConfigProblem]
-    engine: str | None = None  # "v1": the kv_transfer_config needs V1; None: it runs on v0 (the default)
+    engine: str | None = None  # a kv_transfer_config's: "v0", "v1" or "any" (ENGINE_ANY); None for a scenario
 
     @property
     def errors(self) -> list[ConfigProblem]:
@@ -63,7 +66,7 @@ def _config_result(target: str, cfg: object) -> ValidationResult:
     """Check `cfg` for the engine it needs (V0 when either runs it)."""
     engine = required_engine(cfg)
     return ValidationResult(target, "kv_transfer_config", check_kv_transfer_config(cfg, engine=engine or "v0"),
-                            engine="v1" if engine == "v1" else None)
+                            engine=engine or ENGINE_ANY)
 
 
 def _json_file(path: Path) -> object:

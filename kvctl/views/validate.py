@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.scenario.validation import ValidationResult
+from kvctl.scenario.validation import ENGINE_ANY, ValidationResult
 from kvctl.views.output import Output
 
 
@@ -14,7 +14,7 @@ def render_validation(result: ValidationResult, out: Output) -> None:
     """`valid <kind>: <target>`, or a table of problems and the error/warning counts."""
     if not result.problems:
         kind = result.kind.replace("_", "-")
-        needs = " (needs engine v1)" if result.engine == "v1" else ""
+        needs = _engine_words(result.engine)
         out.stdout.print(f"[green]valid[/green] {kind}{needs}: {escape(result.target)}", highlight=False)
         return
     table = Table(title=escape(result.target), title_justify="left", show_lines=True)
@@ -28,5 +28,14 @@ def render_validation(result: ValidationResult, out: Output) -> None:
     out.stdout.print(table)
     n_err, n_warn = len(result.errors), len(result.problems) - len(result.errors)
     verdict = "[red]invalid[/red]" if n_err else "[green]valid[/green]"
-    needs = " (checked for engine v1: the config needs it)" if result.engine == "v1" else ""
+    needs = " (checked for engine v1: the config needs it)" if result.engine == "v1" else _engine_words(result.engine)
     out.stdout.print(f"{verdict}: {n_err} error(s), {n_warn} warning(s){needs}")
+
+
+def _engine_words(engine: str | None) -> str:
+    """Which engine a config needs, as the verdict line says it ("" for a scenario)."""
+    if engine is None:
+        return ""
+    if engine == ENGINE_ANY:
+        return " (runs on engine v0 or v1)"
+    return f" (needs engine {engine})"
