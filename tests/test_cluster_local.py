@@ -284,6 +284,10 @@ def test_logs_tail_and_follow_until_the_server_exits(kvctl, kvctl_home):
         log.write_text("".join(f"line {i}\n" for i in range(10)))
         r = kvctl("logs", "prefill", "--name", "f", "--tail", "3")
         assert r.rc == 0 and r.stdout.splitlines() == ["line 7", "line 8", "line 9"], r
+        r = kvctl("logs", "prefill-0", "--name", "f", "--tail", "1")  # the pools' name of a 1P1D's prefill
+        assert r.rc == 0 and r.stdout.splitlines() == ["line 9"], r
+        r = kvctl("logs", "prefill-1", "--name", "f")
+        assert r.rc == 2 and "prefill-1" in r.stderr, r
         follower = kvctl.popen("logs", "prefill", "--name", "f", "--follow", "--tail", "1")
         ready, _, _ = select.select([follower.stdout], [], [], 30)
         assert ready and follower.stdout.readline() == "line 9\n"  # following now

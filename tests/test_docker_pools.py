@@ -270,7 +270,9 @@ def test_docker_2p1d_behind_the_router_serves_from_every_instance_and_down_leave
     finally:
         down = kvctl("down", "--name", "dpool", "--json")
     assert down.rc == 0, down
-    assert {s["role"] for s in json.loads(down.stdout)["stopped"]} == {*NAMES, "router"}
+    stopped = json.loads(down.stdout)["stopped"]
+    assert {s["instance"] for s in stopped} == {*NAMES, "router"}
+    assert {s["role"] for s in stopped} == {"prefill", "decode", "router"}
     assert not pid_alive(state["router"]["pid"])
     _assert_nothing_left(kvctl_home, main_engine)
 

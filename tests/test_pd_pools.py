@@ -23,6 +23,7 @@ from kvctl.cluster.spec import build_1p1d_spec, build_pd_spec, spread_cpu_binds
 from kvctl.cluster.state import ClusterState, InstanceRecord, save_cluster, utc_now
 from kvctl.errors import BadInput
 from kvctl.net import free_ports
+from kvctl.runtime.base import StopResult
 
 
 @pytest.fixture
@@ -133,3 +134,10 @@ def test_status_json_lists_each_pool_instance_with_role_and_url(kvctl, kvctl_hom
     assert {n: i["role"] for n, i in insts.items()} == {
         "prefill-0": "prefill", "prefill-1": "prefill", "decode-0": "decode", "decode-1": "decode"}
     assert all(i["url"].startswith("http://127.0.0.1:") and i["running"] is False for i in insts.values())
+
+
+def test_down_json_names_each_stopped_instance_and_its_role():
+    report = lifecycle.DownReport("c", True, [StopResult("prefill-1", True, "SIGTERM", 0.2), StopResult("router", True, None, 0.1)],
+                        roles={"prefill-1": "prefill", "router": "router"})
+    stopped = report.to_json()["stopped"]
+    assert [(s["instance"], s["role"]) for s in stopped] == [("prefill-1", "prefill"), ("router", "router")]

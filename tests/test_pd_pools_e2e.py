@@ -199,7 +199,9 @@ def test_down_stops_all_five_processes(cluster):
     kvctl, state = cluster
     d = kvctl("down", "--name", "pools", "--json")
     assert d.rc == 0, d
-    assert {s["role"] for s in json.loads(d.stdout)["stopped"]} == {*NAMES, "router"}
+    stopped = json.loads(d.stdout)["stopped"]
+    assert {s["instance"] for s in stopped} == {*NAMES, "router"}
+    assert {s["role"] for s in stopped} == {"prefill", "decode", "router"}
     assert not pid_alive(state["router"]["pid"])
     for name, rec in state["instances"].items():
         assert not group_alive(rec["pid"]), name

@@ -461,14 +461,18 @@ def instance(name: str, instance_name: str) -> Instance:
     """Instance `instance_name` of cluster `name` (for logs), or its router (`router`).
 
     A role (`prefill`, `decode`) names the role's only instance, so it works
-    on pools of one too. Raises BadInput for an unknown name or a role with
-    several instances, listing the names.
+    on pools of one too, and `prefill-0`/`decode-0` name a 1P1D's `prefill`/
+    `decode` (the pools' names work on every cluster). Raises BadInput for an
+    unknown name or a role with several instances, listing the names.
     """
     state = load_cluster(name)
     if instance_name == "router" and state.router is not None and "router" not in state.instances:
         return router_instance(state.router)
     names = list(state.instances) + (["router"] if state.router is not None else [])
     key = instance_name
+    role, _, index = key.rpartition("-")
+    if key not in state.instances and index == "0" and role in state.instances:
+        key = role  # a 1P1D's one instance of the role, by its pool name
     if key not in state.instances:
         of_role = list(state.by_role(key))
         if len(of_role) != 1:
@@ -489,11 +493,14 @@ class DownReport:
     removed: str | None = None  # the directory removed (or emptied, with keep_store)
     kept_store: str | None = None
     damaged_state: str | None = None  # why cluster.json could not be read (then removed anyway)
+    roles: dict[str, str] = field(default_factory=dict)  # instance name -> its role ("router" for the router)
 
     def to_json(self) -> dict[str, Any]:
+        # A StopResult's `role` is what its runtime calls the server: the instance's name.
         return {"name": self.name, "found": self.found, "removed": self.removed,
                 "kept_store": self.kept_store, "damaged_state": self.damaged_state,
-                "stopped": [{"role": s.role, "was_running": s.was_running, "signal": s.signal,
+                "stopped": [{"instance": s.role, "role": self.roles.get(s.role, s.role),
+                             "was_running": s.was_running, "signal": s.signal,
                              "seconds": round(s.seconds, 2)} for s in self.stopped]}
 
 
@@ -525,6 +532,7 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             instances = _attach_all(state)
             if state.router is not None:
                 instances["router"] = router_instance(state.router)
+            report.roles = {n: rec.role for n, rec in state.instances.items()} | {"router": "router"}
             report.stopped = _stop_all(instances, grace_s)
             _remove_leftovers(state)
         remove_state(name)
