@@ -11,6 +11,7 @@ from connectors.config.validate import check_kv_transfer_config, required_engine
 from kvctl.cluster.spec import build_1p1d_spec
 from kvctl.errors import BadInput
 from kvctl.runtime.base import InstanceSpec, vllm_server_args, vllm_server_env
+from kvctl.scenario.schema import check_scenario
 from kvctl.verify import markers
 from kvctl.verify.checks import check_decode_skipped_forward
 
@@ -96,3 +97,12 @@ def test_decode_skipped_forward_on_v1_counts():
     assert not miss.passed and "loaded nothing" in miss.evidence
     wrong = check_decode_skipped_forward(DONE.replace("computed=1", "computed=8"), "abc")
     assert not wrong.passed and "computed 8" in wrong.evidence
+
+
+def test_a_bad_scenario_engine_gets_the_engine_fix_at_both_levels():
+    raw = {"name": "e", "engine": "v2", "prompts": ["hi"], "decode": 1,
+           "prefill": {"engine": "vone", "kv_transfer_config": {"kv_connector": "FSConnector",
+                                                              "kv_role": "kv_producer"}}}
+    problems = {p.path: p for p in check_scenario(raw)}
+    for path in ("$.engine", "$.prefill.engine"):
+        assert problems[path].fix.startswith("use v0 or v1"), problems[path]

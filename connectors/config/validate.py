@@ -244,7 +244,8 @@ def pydantic_problems(err: ValidationError, prefix: str,
 
     `known_keys`: the keys allowed where an unknown key was found (or a
     function from the parent's location to them), for did-you-mean.
-    `fixes` maps a top-level field name to the fix shown for any error in it.
+    `fixes` maps a top-level field name to the fix shown for any error in it;
+    a dotted path ("prefill.engine") gives a nested field its own fix.
     """
     fixes = fixes or {}
     problems = []
@@ -269,7 +270,8 @@ def pydantic_problems(err: ValidationError, prefix: str,
         else:
             msg = re.sub(r"^(Input|String|List|Dictionary) should", "must", e["msg"])
             message = f"{msg}, got {_shown(e['input'])}"
-        problems.append(ConfigProblem(path, message, fixes.get(field, "see the documented schema")))
+        fix = fixes.get(".".join(str(p) for p in loc)) or fixes.get(field, "see the documented schema")
+        problems.append(ConfigProblem(path, message, fix))
     return problems
 
 

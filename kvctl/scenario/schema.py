@@ -258,6 +258,7 @@ def _sending_names(cfg: dict) -> list[str]:
 
 # ---------------------------------------------------------------- checking
 
+ENGINE_FIX = "use v0 or v1 (default v0; a role's engine overrides the scenario's)"
 _FIXES = {
     "name": "use lowercase letters, digits, '.', '_' or '-', e.g. the file name without .yaml",
     "runtime": "use local, docker or auto",
@@ -269,6 +270,9 @@ _FIXES = {
     "decode": "give a number of instances (e.g. 2), or a mapping: kv_transfer_config (required), count, args, "
               "env, docker_host; see scenarios/README.md",
     "via": "use endpoint (through the cluster's router) or direct (P, then D)",
+    "engine": ENGINE_FIX,
+    "prefill.engine": ENGINE_FIX,
+    "decode.engine": ENGINE_FIX,
     "prompts": 'list strings, or {repeat: "text", times: N} for a long prompt',
     "max_tokens": "use a whole number >= 1",
     "expectations": f"checks may list: {', '.join(CHECK_NAMES)}; sent_to_connectors: connector names",
