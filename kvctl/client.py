@@ -4,6 +4,8 @@ Requests are the curl equivalents of the seed's hand-run flow:
 POST /v1/chat/completions {model, messages, max_tokens, temperature: 0, top_p: 0.95},
 plus `logprobs` with `return_tokens_as_token_ids` so outputs compare by token id.
 One client may be shared by threads (httpx.Client pools connections).
+With `api_key`, every request carries `Authorization: Bearer KEY` (a cluster
+launched with an API key requires it on /v1/*; vLLM ignores it without one).
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class ChatResult:
     headers: dict[str, str] = field(repr=False, default_factory=dict)  # the answer's HTTP headers (lowercase)
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The `Authorization` header for `api_key` ({} without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def user_messages(prompt: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": prompt}]
 
@@ -43,11 +50,11 @@ class VLLMClient:
     """Talks to one server. Every failure raises RuntimeFailure naming the URL."""
 
     def __init__(self, base_url: str, model: str, *, role: str = "server",
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.role = role
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=auth_headers(api_key))
 
     def close(self) -> None:
         self._http.close()
@@ -130,6 +137,13 @@ class VLLMClient:
         resp = self._request(method, path, json=body, headers=headers)
         if answer is not None:
             answer.update((k.lower(), v) for k, v in resp.headers.items())
+        if resp.status_code == 401:
+            raise RuntimeFailure(
+                f"{self.role} answered 401 to {method} {path}: it requires an API key"
+                + (" and refused the one sent" if "authorization" in self._http.headers else ""),
+                where=f"{self.base_url}{path}",
+                fix="send the cluster's key: launch it with one (kvctl keeps it), or set "
+                    "KVCTL_API_KEY for a cluster kvctl attached", details=resp.text[:1000])
         if resp.status_code != 200:
             raise RuntimeFailure(
                 f"{self.role} answered {resp.status_code} to {method} {path}",

@@ -32,6 +32,10 @@ Reported (`measure_fault` returns it; `--json` prints it):
                        from its per-instance request counter in /metrics)
     wrong_answers      200 answers that differ from the baseline (must be 0)
 
+A cluster launched with an API key: every request (baselines, load, the router's
+/metrics and /kvctl/instances) carries `Authorization: Bearer KEY`, the key from
+the cluster's `api_key` file (kvctl.cluster.state.cluster_api_key).
+
 A front end as well as a library: `main` prints its report; `measure_fault`
 only returns it.
 """
@@ -51,8 +55,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvctl.client import SEED_TOP_P, VLLMClient, user_messages
-from kvctl.cluster.state import ClusterState, load_cluster
+from kvctl.client import SEED_TOP_P, VLLMClient, auth_headers, user_messages
+from kvctl.cluster.state import ClusterState, cluster_api_key, load_cluster
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
 from kvctl.verify.load_mode import generate_prompts
 
@@ -165,7 +169,8 @@ def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency:
     survivor = next(n for n in state.by_role("prefill") if n != victim)
     prompts = generate_prompts(PROMPTS)
     model = state.served_model_name
-    with VLLMClient(state.instances[survivor].url, model, role="prefill") as p:
+    api_key = cluster_api_key(name)  # the cluster's, sent by every client (None: it needs none)
+    with VLLMClient(state.instances[survivor].url, model, role="prefill", api_key=api_key) as p:
         baselines = [p.chat(user_messages(text), max_tokens=max_tokens).token_ids for text in prompts]
     if any(b is None for b in baselines):
         raise RuntimeFailure("the baseline answers carry no token ids", where=state.instances[survivor].url)
@@ -209,8 +214,9 @@ def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency:
             time.sleep(POLL_S)
 
     timeout = httpx.Timeout(REQUEST_TIMEOUT_S, connect=10.0)
-    with httpx.Client(timeout=timeout) as watch, ThreadPoolExecutor(concurrency + 1) as pool:
-        clients = [httpx.Client(timeout=timeout) for _ in range(concurrency)]
+    headers = auth_headers(api_key)
+    with httpx.Client(timeout=timeout, headers=headers) as watch, ThreadPoolExecutor(concurrency + 1) as pool:
+        clients = [httpx.Client(timeout=timeout, headers=headers) for _ in range(concurrency)]
         try:
             futures = [pool.submit(client_loop, c) for c in clients] + [pool.submit(killer, watch)]
             for f in futures:

@@ -25,7 +25,10 @@ random dataset is reproducible from a seed (both targets get byte-identical
 prompts), and its `--save-result --save-detailed` JSON has every figure we
 report (TTFT, ITL, TPOT, E2E percentiles, request throughput, per-request
 errors and texts), so kvctl parses no console output. kvctl never imports
-vLLM: the tool is a separate process.
+vLLM: the tool is a separate process. A cluster launched with an API key (or
+an attached one, with $KVCTL_API_KEY) gets it through the tool's OPENAI_API_KEY,
+which `vllm bench serve` sends as `Authorization: Bearer KEY` (the plain server
+kvctl starts requires none and ignores it).
 
 The store fraction comes from the decode instances' logs, read from where each
 ended when the P/D run started: V0 D's `skip model forwarding ... keys=` lines
@@ -59,7 +62,7 @@ import httpx
 from kvctl.bench.common import Progress, machine_info, quiet
 from kvctl.cluster.lifecycle import LaunchProgress, signals_interrupt, wait_instances_healthy
 from kvctl.cluster.spec import model_dtype, spread_cpu_binds
-from kvctl.cluster.state import ClusterState, cluster_dir, load_cluster
+from kvctl.cluster.state import ClusterState, cluster_api_key, cluster_dir, load_cluster
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.net import answers_health, free_ports
 from kvctl.provision.rig import rig_python
@@ -84,6 +87,7 @@ PLAIN_NOTE_S = 15.0  # a progress line this often while the plain server starts
 PLAIN_ROLE = "plain vLLM"  # as its start-up errors name it: "the plain vLLM server exited ..."
 HEALTH_TIMEOUT_S = 5.0
 PERCENTILES = "50,99"
+TOOL_API_KEY_ENV = "OPENAI_API_KEY"  # vllm bench serve sends `Authorization: Bearer $OPENAI_API_KEY`
 PLAIN_NAME = "bench-plain"  # the plain server's name: its log is logs/bench-plain.log
 TARGETS = ("pd", "plain")
 RATIO_KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "requests_per_s")
@@ -267,15 +271,25 @@ def _tool_progress(label: str, progress: Progress):
     return on_line
 
 
+def tool_env(api_key: str | None) -> dict[str, str]:
+    """The tool's environment: ours, offline, unbuffered, and the API key (or none) it sends."""
+    env = {k: v for k, v in os.environ.items() if k != TOOL_API_KEY_ENV}
+    env.update({"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"})
+    if api_key:
+        env[TOOL_API_KEY_ENV] = api_key
+    return env
+
+
 def run_tool(label: str, url: str, served_name: str, tokenizer: Path, opts: ServeOptions,
-             work: Path, progress: Progress) -> dict:
-    """One target's load run; the tool's saved result (detailed).
+             work: Path, progress: Progress, api_key: str | None = None) -> dict:
+    """One target's load run; the tool's saved result (detailed). `api_key`: sent as
+    `Authorization: Bearer KEY` (through the tool's environment, not its command line).
 
     Raises RuntimeFailure when the tool fails, times out, or no request succeeded.
     """
     python = rig_python()
     argv = tool_argv(python, url, served_name, tokenizer, opts, work, label)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env = tool_env(api_key)
     progress(f"{label}: {LOAD_TOOL} against {url} ({opts.requests} requests)")
     try:
         done = run_streamed(argv, _tool_progress(label, progress), env=env, cwd=str(work),
@@ -457,15 +471,16 @@ def run_serve_bench(name: str, opts: ServeOptions, progress: Progress = quiet) -
     if opts.plain_url is not None:
         check_plain_url(opts.plain_url, state.served_model_name)
     served = state.served_model_name
+    api_key = cluster_api_key(name)
     with signals_interrupt(), tempfile.TemporaryDirectory(prefix="kvctl-bench-serve-") as tmp:
         work = Path(tmp)
         plain_ctx = plain_server(state, progress) if opts.plain_url is None else _given(opts.plain_url)
         with plain_ctx as plain_url:
             with _decode_logs(state) as (logs, why_not):
                 offsets = logs.offset() if logs is not None else ()
-                pd_raw = run_tool("pd", state.endpoint, served, tokenizer, opts, work, progress)
+                pd_raw = run_tool("pd", state.endpoint, served, tokenizer, opts, work, progress, api_key)
                 store = _store_after(logs, offsets, why_not, opts.requests + 1)
-            plain_raw = run_tool("plain", plain_url, served, tokenizer, opts, work, progress)
+            plain_raw = run_tool("plain", plain_url, served, tokenizer, opts, work, progress, api_key)
     pd, plain = target_figures(pd_raw, state.endpoint), target_figures(plain_raw, plain_url)
     pd["store_fraction"] = store["fraction"]
     plain["launched"] = opts.plain_url is None

@@ -56,7 +56,7 @@ from kvctl.bench.common import Progress, quiet
 from kvctl.client import VLLMClient, user_messages
 from kvctl.cluster.lifecycle import running_cluster
 from kvctl.cluster.spec import DEFAULT_CONFIG, build_1p1d_spec
-from kvctl.cluster.state import cluster_dir
+from kvctl.cluster.state import cluster_api_key, cluster_dir
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
 from kvctl.runtime.base import read_log_tail
 from kvctl.verify import markers
@@ -176,8 +176,9 @@ class _Run:
         self.state = state
         self.progress = progress
         name = state.served_model_name
-        self.p = VLLMClient(state.instances["prefill"].url, name, role="prefill")
-        self.d = VLLMClient(state.instances["decode"].url, name, role="decode")
+        key = cluster_api_key(state.name)
+        self.p = VLLMClient(state.instances["prefill"].url, name, role="prefill", api_key=key)
+        self.d = VLLMClient(state.instances["decode"].url, name, role="decode", api_key=key)
 
     def close(self) -> None:
         self.p.close()

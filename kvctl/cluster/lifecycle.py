@@ -8,8 +8,12 @@ kvctl is killed; on docker it also removes containers made but not yet
 recorded, by their labels), then waits for both `/health` endpoints while watching for
 process death. Any failure, Ctrl-C, SIGTERM or SIGHUP stops everything it
 started and removes the state (the logs stay, for reading) before the error
-propagates. `running_cluster` wraps launch and `down` for callers that must
-always tear down (scenarios, tests).
+propagates; a cluster dir the launch made and left empty (it failed before any
+server wrote a log) is removed too. With an API key (`ClusterSpec.api_key`) every
+server and the router require it: it goes to them in their environment and into
+the cluster's `api_key` file (mode 0600), never into cluster.json or a command
+line. `running_cluster` wraps launch and `down` for callers that must always
+tear down (scenarios, tests).
 
 A cluster kvctl did not start (`managed: false`, written by kvctl.attach)
 has no runtime behind it: its status is its instances' /health answers,
@@ -45,6 +49,7 @@ from kvctl.cluster.state import (
     list_clusters,
     load_cluster,
     remove_state,
+    save_api_key,
     save_cluster,
     utc_now,
 )
@@ -265,7 +270,8 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
             kv_transfer_config=rs.kv_transfer_config,
             worker_cls=spec.worker_cls if rs.engine == "v0" else None,  # V1 has no --worker-cls hooks
             block_size=spec.block_size if rs.engine == "v0" else None, max_model_len=spec.max_model_len,
-            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=rs.env, name=p.name)
+            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=rs.env, name=p.name,
+            api_key=spec.api_key)
     return specs
 
 
@@ -339,6 +345,7 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
     cdir = cluster_dir(spec.name)
     started: dict[str, Instance] = {}
     made_store = not spec.store.exists()
+    made_cdir = not cdir.exists()
     state: ClusterState | None = None
 
     def cleanup() -> None:
@@ -351,6 +358,8 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
         remove_state(spec.name)
         if made_store and spec.store.is_dir() and not any(spec.store.iterdir()):
             spec.store.rmdir()
+        if made_cdir:
+            _remove_if_empty(cdir)
 
     with _launch_lock(spec.name), signals_interrupt():
         _ensure_name_free(spec.name)
@@ -359,7 +368,10 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             spec.store.mkdir(parents=True, exist_ok=True)
             state = ClusterState(name=spec.name, runtime=spec.runtime, model=str(spec.model),
                                  served_model_name=spec.served_model_name,
-                                 store=str(spec.store), created=utc_now())
+                                 store=str(spec.store), created=utc_now(),
+                                 api_key_required=spec.api_key is not None)
+            if spec.api_key is not None:
+                save_api_key(spec.name, spec.api_key)
             save_cluster(state)  # before any server: `kvctl down` finds the runtime's leftovers
             ispecs = instance_specs(spec)
             check_instance = getattr(runtime, "check_instance", None)  # local: each engine's rig
@@ -377,13 +389,26 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             wait_instances_healthy(started, spec.timeout_s, t0, progress, spec.name)
             if spec.router:
                 state.router = start_router({n: (r.role, r.url) for n, r in state.instances.items()},
-                                            cdir, free_ports(1)[0])
+                                            cdir, free_ports(1)[0], api_key=spec.api_key)
                 state.endpoint = state.router["url"]
                 save_cluster(state)
             return state
         except BaseException:
             _run_to_completion(cleanup)
             raise
+
+
+def _remove_if_empty(directory: Path) -> None:
+    """Remove `directory` and the empty directories under it, when nothing else is there
+    (a failed launch's cluster dir: its logs, if any, stay for reading)."""
+    if not directory.is_dir() or directory.is_symlink():
+        return
+    for sub in sorted((p for p in directory.rglob("*") if p.is_dir() and not p.is_symlink()),
+                      key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):
+            sub.rmdir()  # fails, as it should, on a directory that holds anything
+    with contextlib.suppress(OSError):
+        directory.rmdir()
 
 
 # --- status ---

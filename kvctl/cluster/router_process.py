@@ -3,7 +3,9 @@
 `start_router` runs `python -m kvctl.router` (kvctl's own interpreter: the
 router needs aiohttp, not vLLM) in its own session, on a free loopback port,
 with every prefill and decode instance named as in cluster.json, and waits
-for its /health (200 only once a P and a D answer). The returned record goes
+for its /health (200 only once a P and a D answer). With an API key, the router
+requires it on /v1/* and gets it in its environment ($KVCTL_ROUTER_API_KEY), never
+on its command line (so `ps` and cluster.json's "command" never show it). The returned record goes
 into cluster.json under "router"; `router_instance` turns it back into an
 Instance (status, logs, stop) through the local runtime, as for a server.
 A Ctrl-C while it waits stops the router before it propagates.
@@ -36,11 +38,15 @@ from kvctl.subprocesses import TAIL_LINES
 
 ROUTER_MODULE = "kvctl.router"
 ROUTER_READY_S = 60.0  # the router is up in about a second; its /health waits for P and D
+ROUTER_API_KEY_ENV = "KVCTL_ROUTER_API_KEY"  # where `python -m kvctl.router` reads its API key
 
 
 def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int,
-                 host: str = "127.0.0.1") -> dict[str, Any]:
+                 host: str = "127.0.0.1", api_key: str | None = None) -> dict[str, Any]:
     """Start the router for `instances` ({name: (role, url)}) and wait until it is healthy.
+
+    `api_key`: the router requires `Authorization: Bearer KEY` on /v1/* (None: no key,
+    even when kvctl's own environment has a $KVCTL_ROUTER_API_KEY).
 
     Returns its record: url, pid, start_ticks, command, log_path. Raises
     RuntimeFailure (with the router's log tail) when it exits or stays
@@ -51,9 +57,12 @@ def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int
         argv += [f"--{role}", f"{name}={url}"]
     log_path = cdir / "logs" / "router.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != ROUTER_API_KEY_ENV}
+    if api_key is not None:
+        env[ROUTER_API_KEY_ENV] = api_key
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                cwd=cdir, start_new_session=True, env=os.environ.copy())
+                                cwd=cdir, start_new_session=True, env=env)
     url = f"http://{host}:{port}"
     record = {"url": url, "pid": proc.pid, "start_ticks": process_start_ticks(proc.pid),
               "command": argv, "log_path": str(log_path)}

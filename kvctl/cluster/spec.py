@@ -21,7 +21,7 @@ from pathlib import Path
 
 from connectors.config.topology import transfer_store
 from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
-from kvctl.cluster.state import DEFAULT_NAME, cluster_dir, validate_cluster_name
+from kvctl.cluster.state import DEFAULT_NAME, check_api_key, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, ENGINES, MAX_MODEL_LEN
@@ -78,6 +78,9 @@ class ClusterSpec:
     prefill_count: int = 1
     decode_count: int = 1
     pooled: bool = False
+    # When set, every server and the router require `Authorization: Bearer <api_key>` on /v1/*
+    # (kvctl.cluster.lifecycle passes it in their environment, never on a command line).
+    api_key: str | None = field(default=None, repr=False)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -262,7 +265,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                     worker_cls: str | None = DEFAULT_WORKER_CLS,
                     docker: DockerOptions | None = None, router: bool = True,
                     prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE,
-                    prefill_count: int = 1, decode_count: int = 1, pooled: bool = False) -> ClusterSpec:
+                    prefill_count: int = 1, decode_count: int = 1, pooled: bool = False,
+                    api_key: str | None = None) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     `prefill_count`/`decode_count` instances of each role (`pooled` names them
@@ -270,17 +274,22 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     config (so all share the one store), args, env and engine; each gets its
     own port (a given port is the first of consecutive ones) and core.
 
+    `api_key`: every server and the router require it (None: no key).
+
     On the docker runtime every instance is a container (pools included);
     `docker.gpus` must give each instance its device list (docker_options.gpu_lists).
 
     Raises BadInput naming the field for: a bad name, a missing model dir, an
     invalid config, a port in use, equal ports, a non-positive timeout, docker
     options for another runtime, an unknown engine, GPU lists that do not
-    match the instances. Fields: `name`, `model`, `prefill_config`,
+    match the instances, an empty API key. Fields: `name`, `model`, `prefill_config`,
     `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`,
-    `prefill_engine`, `decode_engine`, `prefill`, `decode` (pool sizes), `gpus`.
+    `prefill_engine`, `decode_engine`, `prefill`, `decode` (pool sizes), `gpus`,
+    `api_key`.
     """
     validate_cluster_name(name)
+    if api_key is not None:
+        check_api_key(api_key)
     check_pool_sizes(prefill_count, decode_count)
     engines = {"prefill": check_engine(prefill_engine, "prefill_engine"),
                "decode": check_engine(decode_engine, "decode_engine")}
@@ -323,7 +332,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         decode=RoleSpec(configs["decode"], decode_port, d_bind, tuple(decode_args),
                         dict(decode_env or {}), engines["decode"], d_binds),
         worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router,
-        prefill_count=prefill_count, decode_count=decode_count, pooled=pooled)
+        prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key)
 
 
 def build_pd_spec(*, prefill: int, decode: int, **options: object) -> ClusterSpec:

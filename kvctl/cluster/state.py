@@ -8,7 +8,11 @@
      "instances": {"prefill": {...}, "decode": {...}}}
 
 `endpoint` and `router` are absent when the cluster was launched without its
-router (`router: false` in the spec).
+router (`router: false` in the spec). `"api_key_required": true` is written when
+the cluster was launched with an API key: its servers and router then require
+`Authorization: Bearer KEY` on /v1/* (/health stays open). The key itself is
+never in cluster.json: it lives in the file `api_key` beside it (mode 0600,
+`save_api_key`), where kvctl's own requests read it (`cluster_api_key`).
 
 Each instance: `role`, `url`, `pid` (local) or `container_id` (docker) plus
 runtime extras (`start_ticks`, `command`), `log_path`, `kv_transfer_config`
@@ -50,6 +54,8 @@ DEFAULT_NAME = "default"
 STATE_FILE = "cluster.json"
 ATTACHED_RUNTIME = "attached"  # the `runtime` of a cluster kvctl did not start
 COMMAND_PREFIX = "cmd:"  # a log source that is a command whose output is the log
+API_KEY_FILE = "api_key"  # the cluster's API key, mode 0600, beside cluster.json
+API_KEY_ENV = "KVCTL_API_KEY"  # the key for a launch, and for clusters without the file (attached)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -132,6 +138,7 @@ class ClusterState:
     managed: bool = True  # False: kvctl did not start it (attached); `down` refuses it
     endpoint: str | None = None  # the router URL in front of the instances, if any
     router: dict[str, Any] | None = None  # the router process kvctl started (url, pid, log_path, ...)
+    api_key_required: bool = False  # launched with an API key (the key: the `api_key` file)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "runtime": self.runtime, "model": self.model,
@@ -145,6 +152,8 @@ class ClusterState:
             data["endpoint"] = self.endpoint
         if self.router is not None:
             data["router"] = self.router
+        if self.api_key_required:
+            data["api_key_required"] = True
         data["instances"] = {r: i.to_json() for r, i in self.instances.items()}
         return data
 
@@ -158,7 +167,8 @@ class ClusterState:
                    store=d["store"] if managed else d.get("store"),
                    created=d["created"],
                    instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()},
-                   managed=managed, endpoint=d.get("endpoint"), router=d.get("router"))
+                   managed=managed, endpoint=d.get("endpoint"), router=d.get("router"),
+                   api_key_required=d.get("api_key_required") is True)
 
     def by_role(self, role: str) -> dict[str, InstanceRecord]:
         """This cluster's instances of `role` (prefill or decode), by name, in name order."""
@@ -206,7 +216,62 @@ def save_cluster(state: ClusterState) -> Path:
 
 
 def remove_state(name: str) -> None:
+    """Remove cluster.json and the API key file (the logs and the store stay)."""
     (cluster_dir(name) / STATE_FILE).unlink(missing_ok=True)
+    (cluster_dir(name) / API_KEY_FILE).unlink(missing_ok=True)
+
+
+# --- the API key: a file only this user reads, never in cluster.json or a command line ---
+
+def check_api_key(key: str, field: str = "api_key") -> str:
+    """`key`, checked. Raises BadInput (`field`) for an empty key or one an HTTP header
+    cannot carry (whitespace, control characters)."""
+    if not key or not key.strip():
+        raise BadInput("the API key is empty", field=field,
+                       fix=f"give a non-empty key (or unset {API_KEY_ENV} to launch without one)")
+    if any(c.isspace() or not c.isprintable() for c in key):
+        raise BadInput("the API key holds whitespace or control characters, which an "
+                       "`Authorization: Bearer KEY` header cannot carry", field=field,
+                       fix="use a key of printable characters without spaces, e.g. `openssl rand -hex 16`")
+    return key
+
+
+def save_api_key(name: str, key: str) -> Path:
+    """Write cluster `name`'s API key to its `api_key` file, created with mode 0600 (never
+    readable by others, even for a moment), atomically (temp file + rename)."""
+    path = cluster_dir(name) / API_KEY_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{API_KEY_FILE}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load_api_key(name: str) -> str | None:
+    """Cluster `name`'s API key from its `api_key` file; None without one."""
+    try:
+        key = (cluster_dir(name) / API_KEY_FILE).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return key or None
+
+
+def cluster_api_key(name: str) -> str | None:
+    """The key kvctl sends (`Authorization: Bearer KEY`) to cluster `name`: its `api_key`
+    file (a cluster launched with a key), else $KVCTL_API_KEY (e.g. an attached cluster
+    whose servers require one), else None. A name unfit for a directory has no file."""
+    try:
+        key = load_api_key(name)
+    except BadInput:
+        key = None
+    return key or os.environ.get(API_KEY_ENV) or None
 
 
 def _unknown_cluster(name: str, where: Path) -> BadInput:

@@ -42,6 +42,7 @@ def attach_cmd(
     (a file, or cmd:COMMAND such as 'cmd:kubectl logs -f --tail=0 pod/x'). Pools:
     --file cluster.yaml, or --from-k8s DIR. Then status, verify, inspect-store and
     scenarios work on it; `kvctl detach NAME` forgets it; `kvctl down` refuses it.
+    Servers that require an API key: set $KVCTL_API_KEY; verify and bench send it (never stored).
     """
     out = Output(json_mode=json_)
     try:

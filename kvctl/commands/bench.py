@@ -162,7 +162,8 @@ def serve_cmd(
     The load tool is vLLM's own `vllm bench serve`, run from the rig: it is
     installed wherever a cluster can run (no new dependency, unlike guidellm
     or aiperf), speaks the vLLM API the router serves, and saves every
-    figure as JSON.
+    figure as JSON. A cluster's API key (launched with --api-key; attached:
+    $KVCTL_API_KEY) reaches the tool as its OPENAI_API_KEY, never in argv.
     """
     out = Output(json_mode=json_out)
     if cluster is not None and name is not None and cluster != name:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from pathlib import Path
 
 import typer
 
 from kvctl.cluster import lifecycle
 from kvctl.cluster.parse import parse_env_items, parse_kv_config
-from kvctl.cluster.spec import DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, build_1p1d_spec, build_pd_spec
-from kvctl.cluster.state import DEFAULT_NAME
+from kvctl.cluster.spec import DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, build_1p1d_spec, build_pd_spec, check_engine
+from kvctl.cluster.state import API_KEY_ENV, DEFAULT_NAME, check_api_key
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import json_option
 from kvctl.runtime import RUNTIME_CHOICES, select_runtime
@@ -37,6 +38,10 @@ _ENGINE_HELP = ("vLLM engine of P and D: v0 (vLLM 0.9.2, the default) or v1 (vLL
 
 
 _NAME_HELP = "Cluster name (its state lives in $KVCTL_HOME/clusters/NAME)."
+_API_KEY_HELP = (f"Every vLLM server and the router require `Authorization: Bearer KEY` on /v1/* (/health stays "
+                 f"open). Default: ${API_KEY_ENV}, which keeps the key out of argv and shell history. The servers "
+                 "get it in their environment, never on a command line; kvctl keeps it for verify and bench in "
+                 "CLUSTER_DIR/api_key (mode 0600); status --json shows only \"api_key_required\": true.")
 
 
 def launch_1p1d_cmd(
@@ -79,12 +84,14 @@ def launch_1p1d_cmd(
     router: bool = typer.Option(True, "--router/--no-router",
                                 help="Start kvctl's router: one OpenAI endpoint (status: \"endpoint\") in "
                                      "front of P and D, on 127.0.0.1."),
+    api_key: str | None = typer.Option(None, "--api-key", metavar="KEY", show_default=False, help=_API_KEY_HELP),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
     """Launch one prefill and one decode vLLM server sharing a KV store.
 
     --engine v1 starts vLLM V1 servers (default v0); --prefill-engine v0
     --decode-engine v1 is the migration path (V1 decodes serve V0 entries).
+    --api-key KEY (or $KVCTL_API_KEY) makes every server and the router require it.
     """
     _launch(**locals())
 
@@ -95,10 +102,17 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             prefill_env: list[str], decode_env: list[str], worker_cls: str, image: str | None,
             gpus: list[str], bind: str | None, prefill_docker_host: str | None,
             decode_docker_host: str | None, engine: str, prefill_engine: str | None,
-            decode_engine: str | None, router: bool, json_: bool,
+            decode_engine: str | None, router: bool, api_key: str | None, json_: bool,
             pools: tuple[int, int] | None = None) -> None:
     """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
+    check_engine(engine, "engine")  # before it stands in for a role's engine: name the option given
+    if api_key is None and API_KEY_ENV in os.environ:  # set but empty is refused, as an empty --api-key is
+        try:
+            api_key = check_api_key(os.environ[API_KEY_ENV])
+        except BadInput as e:
+            e.where = f"${API_KEY_ENV}"  # field api_key still; the user set the variable, not the option
+            raise
     chosen, why = select_runtime(runtime)
     docker_given = bool(gpus) or any(v is not None for v in (image, bind, prefill_docker_host,
                                                              decode_docker_host))
@@ -116,7 +130,7 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
         prefill_env=parse_env_items(prefill_env, "prefill_env"),
         decode_env=parse_env_items(decode_env, "decode_env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker, router=router,
-        prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine)
+        prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key)
     render_launch_plan(out, spec, why)
     if chosen == "local" and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)

@@ -65,6 +65,8 @@ def verify(
     and which D served each request and how many requests each instance
     served, and fails when an instance of a pool served none (checked when
     there are at least as many requests as instances in that pool).
+    Every request carries the cluster's API key when it has one (launched with
+    --api-key; an attached cluster's key comes from $KVCTL_API_KEY).
     """
     out = Output(json_mode=json_out)
     if prompt and prompts_file:

@@ -41,6 +41,7 @@ ENTRYPOINT_MODULE = "vllm.entrypoints.openai.api_server"
 BLOCK_SIZE = 16  # tokens; the only size the CPU backend supports without IPEX
 MAX_MODEL_LEN = 2048  # tokens; the tiny model's max positions
 KV_CACHE_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: caps each server's KV cache
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM (0.9 and V1) requires `Authorization: Bearer $VLLM_API_KEY` on /v1/*
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class InstanceSpec:
     extra_args: tuple[str, ...] = ()  # appended verbatim to the vLLM command line
     env: Mapping[str, str] = field(default_factory=dict)  # overrides ours
     name: str = ""  # the instance's name in its cluster (prefill-0, ...); "": its role
+    # When set, the server requires `Authorization: Bearer <api_key>` on /v1/* (vLLM reads
+    # VLLM_API_KEY from its environment: the key never appears on its command line or in `ps`).
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def instance(self) -> str:
@@ -100,7 +104,8 @@ def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:
 
 
 def vllm_server_env(spec: InstanceSpec) -> dict[str, str]:
-    """Environment variables the server needs on top of the base environment."""
+    """Environment variables the server needs on top of the base environment (its API key
+    included, as VLLM_API_KEY, when the spec has one)."""
     env = {
         # our V0 connectors need the V0 engine of vLLM 0.9.x (first: the key's old place)
         **({"VLLM_USE_V1": "0"} if spec.engine == "v0" else {}),
@@ -117,6 +122,8 @@ def vllm_server_env(spec: InstanceSpec) -> dict[str, str]:
     if spec.cpu_bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = spec.cpu_bind
     env.update(spec.env)
+    if spec.api_key is not None:
+        env[API_KEY_ENV] = spec.api_key
     return env
 
 

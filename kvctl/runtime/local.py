@@ -36,6 +36,7 @@ from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
 from kvctl.provision.rig import default_spec, rig_python
 from kvctl.runtime.base import (
+    API_KEY_ENV,
     DEFAULT_ENGINE,
     ENTRYPOINT_MODULE,
     InstanceSpec,
@@ -198,7 +199,9 @@ class LocalRuntime:
     def start(self, spec: InstanceSpec) -> LocalInstance:
         """Start the server; returns at once. Raises RuntimeFailure if it cannot be spawned."""
         argv = self.command(spec)
-        env = {**os.environ, **vllm_server_env(spec)}
+        # A VLLM_API_KEY kvctl inherited is not this cluster's key (that comes with the spec):
+        # a server requiring it would refuse kvctl's own requests.
+        env = {**{k: v for k, v in os.environ.items() if k != API_KEY_ENV}, **vllm_server_env(spec)}
         env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.cwd.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@ stay None with the reason beside them (`InstanceInfo.unobservable`,
 `ClusterInfo.store_unobservable`), for the checks to report as not observable.
 An instance whose log is a command (`cmd:...`) has `log_command`; its output
 goes to `log_path` while verify runs (kvctl.verify.log_files.capturing_logs).
+`api_key` is what verify's requests authenticate with: the cluster's `api_key`
+file (launched with a key), else $KVCTL_API_KEY (kvctl.cluster.state.cluster_api_key).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvctl.cluster.state import COMMAND_PREFIX, ClusterState, load_cluster
+from kvctl.cluster.state import COMMAND_PREFIX, ClusterState, cluster_api_key, load_cluster
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
 
@@ -53,6 +55,7 @@ class ClusterInfo:
     endpoint: str | None = None  # the router in front of the instances, if any
     store_unobservable: str = ""
     instances: tuple[InstanceInfo, ...] = field(default=())  # every instance; () means prefill and decode
+    api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer KEY`
 
     def all_instances(self) -> tuple[InstanceInfo, ...]:
         return self.instances or (self.prefill, self.decode)
@@ -120,7 +123,7 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
         store_path, store_why = None, STORE_NOT_VISIBLE
     return ClusterInfo(name=name, model=str(model), store=store_path, prefill=instance(p_key),
                        decode=instance(d_key), endpoint=d.get("endpoint"), store_unobservable=store_why,
-                       instances=all_infos)
+                       instances=all_infos, api_key=cluster_api_key(name))
 
 
 def load_cluster_info(name: str, *, prefill: str | None = None, decode: str | None = None) -> ClusterInfo:

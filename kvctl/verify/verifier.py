@@ -123,14 +123,14 @@ class ClusterVerifier:
                  send_children: SendChildren | None = None, via_endpoint: bool = False):
         self.info = info
         self.log_wait_s = log_wait_s
-        self.prefill = VLLMClient(info.prefill.url, info.model, role="prefill")
-        self.decode = VLLMClient(info.decode.url, info.model, role="decode")
+        self.prefill = VLLMClient(info.prefill.url, info.model, role="prefill", api_key=info.api_key)
+        self.decode = VLLMClient(info.decode.url, info.model, role="decode", api_key=info.api_key)
         self.endpoint: VLLMClient | None = None
         if via_endpoint:
             if not info.endpoint:
                 raise BadInput(f"cluster {info.name!r} has no endpoint to send requests through", field="via_endpoint",
                                fix="attach it with its router's URL as the endpoint, or verify P and D directly")
-            self.endpoint = VLLMClient(info.endpoint, info.model, role="endpoint")
+            self.endpoint = VLLMClient(info.endpoint, info.model, role="endpoint", api_key=info.api_key)
             pool = info.all_instances()
             self.p_log = LogPool([i for i in pool if i.role == "prefill"])
             self.d_log = LogPool([i for i in pool if i.role == "decode"])

@@ -63,6 +63,9 @@ def render_launched(out: Output, state: ClusterState) -> None:
     out.stdout.print(table)
     if state.endpoint:
         out.stdout.print(f"endpoint: {state.endpoint}  (OpenAI API: {state.endpoint}/v1)", highlight=False)
+    if state.api_key_required:
+        out.stdout.print("API key: required on /v1/* of every server and the router (kvctl keeps it in "
+                         "the cluster dir's api_key file, mode 0600)", highlight=False)
     out.info(f"store: {state.store}\nnext: `kvctl verify --name {state.name}`, "
              f"`kvctl down --name {state.name}`")
 
