@@ -54,7 +54,7 @@ def k8s_cmd(
                                                                          "kvctl runs (attach.yaml's store)."),
     json_: bool = json_option("Print what was written as JSON."),
 ) -> None:
-    """Write Kubernetes manifests for NAME: P and D StatefulSets, the router, a RWX store claim.
+    """Write Kubernetes manifests for NAME: a Deployment + Service per P and D, the router, a RWX store claim.
 
     Also writes DIR/attach.yaml (`kvctl attach --from-k8s DIR`, logs through
     `kubectl logs -f`) and DIR/port-forward.sh. Nothing is applied. When the

@@ -4,23 +4,30 @@ Layout written by `write_rendered(rendered, DIR)`:
 
     DIR/manifests/store-pvc.yaml   the store's ReadWriteMany PersistentVolumeClaim (not with
                                    an existing claim: `store_pvc`)
-    DIR/manifests/prefill.yaml     headless Service + StatefulSet of the prefill pool
-    DIR/manifests/decode.yaml      the same for the decode pool
+    DIR/manifests/prefill.yaml     per prefill instance, a Deployment and a ClusterIP Service,
+                                   both NAME-prefill-I
+    DIR/manifests/decode.yaml      the same for the decode instances (NAME-decode-I)
     DIR/manifests/router.yaml      the router's Deployment and Service
     DIR/attach.yaml                `kvctl attach --from-k8s DIR`: URLs, `kubectl logs` sources
-    DIR/port-forward.sh            forwards the router and every pod to this host (the URLs
+    DIR/port-forward.sh            forwards the router and every instance to this host (the URLs
                                    attach.yaml names, unless rendered for in-cluster use)
 
-Why StatefulSets, not Deployments or LeaderWorkerSets: every P/D instance here is
-one pod (one vLLM server on `gpus_per_pod` GPUs of one node). A LeaderWorkerSet
-groups several pods into one instance (tensor/pipeline parallel across nodes) and
-needs its controller installed; it buys nothing for one-pod instances. A
-Deployment's pods have random names, but the router takes a fixed list of
-instance URLs and the attach file follows each instance's log by pod name. A
-StatefulSet's pods are `NAME-prefill-0, -1, ...` with stable DNS names through
-its headless Service (`NAME-prefill-0.NAME-prefill:8000`), so the router's
-`--prefill`/`--decode` lists and `kubectl logs pod/NAME-prefill-0` stay right
-across restarts; `podManagementPolicy: Parallel` starts all pods at once.
+Why a Deployment per instance, not LeaderWorkerSets: a LeaderWorkerSet is for
+one instance spread over several pods (a leader and its workers: tensor or
+pipeline parallel across nodes). Every P/D instance here is one pod (one vLLM
+server on `gpus_per_pod` GPUs of one node), so a LeaderWorkerSet would add a
+CRD and its controller as a dependency and buy nothing. The router takes a
+fixed list of instance URLs and the attach file follows each instance's log,
+so each instance needs a stable name: one Deployment per instance
+(`NAME-prefill-0`, `-1`, ..., `NAME-decode-0`, ...) with its own Service of the
+same name gives the stable DNS name `NAME-prefill-0:8000` for the router's
+`--prefill`/`--decode` URLs and plain `kubectl logs -f deploy/NAME-prefill-0`
+for the log. Each has `replicas: 1` and strategy `Recreate`: the router
+addresses the instance as one server, so two copies of it must never run at
+once, and a rolling update would briefly run the new pod beside the old one.
+The Services set `publishNotReadyAddresses`: the router's own /health checks
+decide whether an instance takes requests, and a readiness probe that times
+out under load does not cut the router off from it.
 
 Every vLLM pod mounts the store claim at the transfer store's path (the same
 path in every pod), gets `gpus_per_pod` `nvidia.com/gpu` (requests = limits),
@@ -65,8 +72,9 @@ PROBE_PERIOD_S = 10
 LOCAL_PORTS = {"router": 18000, "prefill": 18100, "decode": 18200}  # port-forward.sh: base + index
 MAX_POOL = 99  # instances per pool (local ports stay distinct)
 ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-MAX_NAME = 40  # leaves room for "-prefill-99" within Kubernetes' 52/63-character limits
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a namespace (RFC 1123 label)
+_SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # NAME prefixes Service names (RFC 1035 label)
+MAX_NAME = 40  # "NAME-prefill-99" and its ReplicaSet's "-HASH" (up to 11 more) stay within 63 characters
 
 
 @dataclass(frozen=True)
@@ -108,10 +116,10 @@ class RenderedDeployment:
 
 
 def _check_spec(spec: K8sSpec) -> None:
-    if not _DNS_LABEL.match(spec.name) or len(spec.name) > MAX_NAME:
+    if not _SERVICE_NAME.match(spec.name) or len(spec.name) > MAX_NAME:
         raise BadInput(f"{spec.name!r} cannot name Kubernetes objects", field="name",
-                       fix=f"use lowercase letters, digits and '-' (at most {MAX_NAME}, starting and ending "
-                           "with a letter or digit)")
+                       fix=f"use lowercase letters, digits and '-' (at most {MAX_NAME}, starting with a "
+                           "letter, ending with a letter or digit)")
     for field_name in ("prefill", "decode"):
         count = getattr(spec, field_name)
         if not 1 <= count <= MAX_POOL:
@@ -131,33 +139,44 @@ def _check_spec(spec: K8sSpec) -> None:
                        field="model", fix=f"give its path under {MODEL_MOUNT}/")
 
 
-def _labels(spec: K8sSpec, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kvctl-pd", "app.kubernetes.io/instance": spec.name,
-            "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": "kvctl"}
+INSTANCE_LABEL = "kvctl/instance"  # an instance's name in the attach file and the router: prefill-0, ...
 
 
-def _selector(spec: K8sSpec, component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": component}
+def _labels(spec: K8sSpec, component: str, instance: str | None = None) -> dict[str, str]:
+    labels = {"app.kubernetes.io/name": "kvctl-pd", "app.kubernetes.io/instance": spec.name,
+              "app.kubernetes.io/component": component, "app.kubernetes.io/managed-by": "kvctl"}
+    if instance is not None:
+        labels[INSTANCE_LABEL] = instance
+    return labels
 
 
-def _meta(spec: K8sSpec, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "labels": _labels(spec, component)}
+def _selector(spec: K8sSpec, component: str, instance: str | None = None) -> dict[str, str]:
+    selector = {"app.kubernetes.io/instance": spec.name, "app.kubernetes.io/component": component}
+    if instance is not None:
+        selector[INSTANCE_LABEL] = instance
+    return selector
+
+
+def _meta(spec: K8sSpec, name: str, component: str, instance: str | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {"name": name, "labels": _labels(spec, component, instance)}
     if spec.namespace:
         meta["namespace"] = spec.namespace
     return meta
 
 
-def pool_name(spec: K8sSpec, role: str) -> str:
-    return f"{spec.name}-{role}"
+def instance_name(role: str, index: int) -> str:
+    """The instance's name in the attach file and the router's URL list: prefill-0, decode-1, ..."""
+    return f"{role}-{index}"
 
 
-def pod_name(spec: K8sSpec, role: str, index: int) -> str:
-    return f"{pool_name(spec, role)}-{index}"
+def object_name(spec: K8sSpec, role: str, index: int) -> str:
+    """The instance's Deployment and Service: NAME-prefill-0, ..."""
+    return f"{spec.name}-{instance_name(role, index)}"
 
 
-def pod_url(spec: K8sSpec, role: str, index: int) -> str:
-    """The pod's URL inside the cluster: its stable name under the pool's headless Service."""
-    return f"http://{pod_name(spec, role, index)}.{pool_name(spec, role)}:{PORT}"
+def instance_url(spec: K8sSpec, role: str, index: int) -> str:
+    """The instance's URL inside the cluster (its namespace): its Service's DNS name."""
+    return f"http://{object_name(spec, role, index)}:{PORT}"
 
 
 def _http_probe(period_s: int, failures: int, timeout_s: int = 5, path: str = "/health") -> dict[str, Any]:
@@ -219,28 +238,33 @@ def _server_container(spec: K8sSpec, scenario: Scenario, role: str, config: dict
     return container, volumes
 
 
+def _service(spec: K8sSpec, name: str, component: str, instance: str | None = None,
+             **extra: Any) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, component, instance),
+            "spec": {"type": "ClusterIP", **extra, "selector": _selector(spec, component, instance),
+                     "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
 def _pool(spec: K8sSpec, scenario: Scenario, role: str, config: dict, store_path: str) -> list[dict[str, Any]]:
-    name = pool_name(spec, role)
-    service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, role),
-        "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": _selector(spec, role),
-                 "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]},
-    }
-    container, volumes = _server_container(spec, scenario, role, config, store_path)
-    statefulset = {
-        "apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": _meta(spec, name, role),
-        "spec": {
-            "serviceName": name,
-            "replicas": getattr(spec, role),
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": _selector(spec, role)},
-            "template": {
-                "metadata": {"labels": _labels(spec, role)},
-                "spec": {"terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes},
+    """Per instance of `role`: its Service and its one-pod Deployment (see the module docstring)."""
+    docs: list[dict[str, Any]] = []
+    for i in range(getattr(spec, role)):
+        container, volumes = _server_container(spec, scenario, role, config, store_path)  # each its own copy
+        name, instance = object_name(spec, role, i), instance_name(role, i)
+        deployment = {
+            "apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, name, role, instance),
+            "spec": {
+                "replicas": 1,
+                "strategy": {"type": "Recreate"},  # never two copies of one instance, even during a rollout
+                "selector": {"matchLabels": _selector(spec, role, instance)},
+                "template": {
+                    "metadata": {"labels": _labels(spec, role, instance)},
+                    "spec": {"terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes},
+                },
             },
-        },
-    }
-    return [service, statefulset]
+        }
+        docs += [_service(spec, name, role, instance, publishNotReadyAddresses=True), deployment]
+    return docs
 
 
 def _router(spec: K8sSpec) -> list[dict[str, Any]]:
@@ -248,7 +272,7 @@ def _router(spec: K8sSpec) -> list[dict[str, Any]]:
     args: list[str] = []
     for role in ("prefill", "decode"):
         for i in range(getattr(spec, role)):
-            args += [f"--{role}", f"{role}-{i}={pod_url(spec, role, i)}"]
+            args += [f"--{role}", f"{instance_name(role, i)}={instance_url(spec, role, i)}"]
     args += ["--host", "0.0.0.0", "--port", str(PORT)]
     container = {
         "name": "router", "image": spec.router_image or spec.image, "imagePullPolicy": "IfNotPresent",
@@ -265,12 +289,7 @@ def _router(spec: K8sSpec) -> list[dict[str, Any]]:
                  "template": {"metadata": {"labels": _labels(spec, "router")},
                               "spec": {"containers": [container]}}},
     }
-    service = {
-        "apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, "router"),
-        "spec": {"type": "ClusterIP", "selector": _selector(spec, "router"),
-                 "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]},
-    }
-    return [deployment, service]
+    return [deployment, _service(spec, name, "router")]
 
 
 def _store_claim(spec: K8sSpec) -> dict[str, Any]:
@@ -289,13 +308,20 @@ def _kubectl(spec: K8sSpec) -> str:
     return "kubectl" + (f" -n {spec.namespace}" if spec.namespace else "")
 
 
+def log_command(spec: K8sSpec, role: str, index: int) -> str:
+    """The attach file's log source for an instance: `kubectl logs -f deploy/NAME-prefill-0 [-n NS]`,
+    from now on (`--tail=0`: lines logged before verify started never count)."""
+    namespace = f" -n {spec.namespace}" if spec.namespace else ""
+    return f"cmd:kubectl logs -f deploy/{object_name(spec, role, index)}{namespace} --tail=0 -c vllm"
+
+
 def _attach_file(spec: K8sSpec, scenario: Scenario, configs: dict[str, dict]) -> AttachFile:
     instances = []
     for role in ("prefill", "decode"):
         for i in range(getattr(spec, role)):
-            url = pod_url(spec, role, i) if spec.in_cluster else f"http://127.0.0.1:{LOCAL_PORTS[role] + i}"
-            log = f"cmd:{_kubectl(spec)} logs -f --tail=0 -c vllm pod/{pod_name(spec, role, i)}"
-            instances.append(AttachFileInstance(f"{role}-{i}", role, url, log, configs[role]))
+            url = instance_url(spec, role, i) if spec.in_cluster else f"http://127.0.0.1:{LOCAL_PORTS[role] + i}"
+            instances.append(AttachFileInstance(instance_name(role, i), role, url, log_command(spec, role, i),
+                                                configs[role]))
     endpoint = (f"http://{spec.name}-router:{PORT}" if spec.in_cluster
                 else f"http://127.0.0.1:{LOCAL_PORTS['router']}")
     return AttachFile(name=spec.name, model=spec.model, served_model_name=served_name(spec, scenario),
@@ -307,14 +333,14 @@ def _attach_file(spec: K8sSpec, scenario: Scenario, configs: dict[str, dict]) ->
 def _port_forward(spec: K8sSpec) -> str:
     kubectl = _kubectl(spec)
     lines = ["#!/bin/sh",
-             f"# Forwards the router and every pod of {spec.name!r} to this host, at the URLs attach.yaml names.",
+             f"# Forwards the router and every instance of {spec.name!r} to this host, at the URLs attach.yaml names.",
              "# Run it in its own terminal; Ctrl-C stops every forward.",
              "set -eu",
              "trap 'kill $(jobs -p) 2>/dev/null' INT TERM EXIT",
              f"{kubectl} port-forward svc/{spec.name}-router {LOCAL_PORTS['router']}:{PORT} &"]
     for role in ("prefill", "decode"):
         for i in range(getattr(spec, role)):
-            lines.append(f"{kubectl} port-forward pod/{pod_name(spec, role, i)} {LOCAL_PORTS[role] + i}:{PORT} &")
+            lines.append(f"{kubectl} port-forward svc/{object_name(spec, role, i)} {LOCAL_PORTS[role] + i}:{PORT} &")
     lines.append("wait")
     return "\n".join(lines) + "\n"
 
@@ -404,8 +430,9 @@ def kubectl_commands(spec: K8sSpec, out: Path) -> list[str]:
     """The commands that deploy, attach and verify what was rendered into `out`."""
     kubectl = _kubectl(spec)
     steps = [f"{kubectl} apply -f {shlex.quote(str(out / 'manifests'))}"]
-    steps += [f"{kubectl} rollout status {kind}/{spec.name}-{part} --timeout={STARTUP_S}s"
-              for kind, part in (("statefulset", "prefill"), ("statefulset", "decode"), ("deployment", "router"))]
+    names = [object_name(spec, role, i) for role in ("prefill", "decode") for i in range(getattr(spec, role))]
+    names.append(f"{spec.name}-router")
+    steps += [f"{kubectl} rollout status deploy/{name} --timeout={STARTUP_S}s" for name in names]
     if not spec.in_cluster:
         steps.append(f"{shlex.quote(str(out / 'port-forward.sh'))} &")
     steps += [f"kvctl attach --from-k8s {shlex.quote(str(out))}",
