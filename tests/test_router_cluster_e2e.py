@@ -7,12 +7,19 @@ baseline (P generating everything), D served each request from the store
 (its `skip model forwarding` line carries the request's key), one request id
 reaches P and D, `kvctl verify` goes through the endpoint by default, and
 `kvctl down` stops the router too.
+
+The cluster is launched with an API key (from $KVCTL_API_KEY): the router, P and D
+answer 401 on /v1/* without it (/health stays open), the openai SDK with it gets
+200, no command line holds it, and kvctl's own verify sends it (from the cluster's
+api_key file: the variable is gone by then).
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import stat
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -24,17 +31,21 @@ pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
 
 LAUNCH_TIMEOUT_S = 600
 PROMPT = "Tell me where the KV cache of this prompt goes."
+API_KEY = "sk-kvctl-e2e-7d2f61a9"
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
-    """One cluster for the module, launched by the CLI, holding the run-wide vLLM slot."""
+    """One cluster for the module, launched by the CLI with an API key (from $KVCTL_API_KEY,
+    which later commands do not get), holding the run-wide vLLM slot."""
     home = tmp_path_factory.mktemp("router-home")
     kvctl = Kvctl(home)
     with open(shared_dir / "vllm-slot.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        kvctl.env["KVCTL_API_KEY"] = API_KEY
         r = kvctl("launch", "1p1d", "--name", "rc", "--model", str(tiny_model), "--json",
                   timeout=LAUNCH_TIMEOUT_S)
+        del kvctl.env["KVCTL_API_KEY"]
         assert r.rc == 0, r
         try:
             yield kvctl, json.loads(r.stdout)
@@ -57,7 +68,7 @@ def test_launch_records_the_endpoint_and_status_reports_it(cluster):
 
 def test_openai_sdk_through_the_endpoint_chat_and_completions(cluster):
     kvctl, state = cluster
-    client = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key=API_KEY, max_retries=0)
     model = client.models.list().data[0].id
     assert model == state["served_model_name"]
     d_log = Path(state["instances"]["decode"]["log_path"])
@@ -75,7 +86,8 @@ def test_openai_sdk_through_the_endpoint_chat_and_completions(cluster):
     assert streamed == chat and chat
 
     # The baseline: P alone computes all 16 tokens of the same request.
-    base = httpx.post(f"{state['instances']['prefill']['url']}/v1/chat/completions", timeout=60, json={
+    base = httpx.post(f"{state['instances']['prefill']['url']}/v1/chat/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, json={
         "model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 16,
         "temperature": 0}).json()["choices"][0]["message"]["content"]
     assert chat == base
@@ -88,6 +100,40 @@ def test_openai_sdk_through_the_endpoint_chat_and_completions(cluster):
     # Four requests through the router: D served each from the store, and one id reached P and D.
     assert _skips(d_log) - skips == 4
     assert request_id in p_log.read_text() and request_id in d_log.read_text()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if b"=" in item)
+
+
+def test_the_api_key_is_required_on_v1_everywhere_and_on_no_command_line(cluster):
+    kvctl, state = cluster
+    assert state["api_key_required"] is True and API_KEY not in json.dumps(state)
+    body = {"model": state["served_model_name"], "messages": [{"role": "user", "content": PROMPT}],
+            "max_tokens": 2, "temperature": 0}
+    urls = {"endpoint": state["endpoint"], **{n: i["url"] for n, i in state["instances"].items()}}
+    for name, url in urls.items():  # router, P and D: /v1 needs the key, /health does not
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401, name
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401, name
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200, name
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key="wrong", max_retries=0).models.list()
+    raw = openai.OpenAI(base_url=f"{state['endpoint']}/v1", api_key=API_KEY, max_retries=0) \
+        .chat.completions.with_raw_response.create(model=body["model"], messages=body["messages"], max_tokens=2)
+    assert raw.http_response.status_code == 200 and raw.parse().choices[0].message.content is not None
+
+    # The key is in the servers' and the router's environment, never on a command line.
+    assert API_KEY not in subprocess.run(["ps", "-ewwo", "args"], capture_output=True, text=True).stdout
+    for inst in state["instances"].values():
+        assert _environ(inst["pid"]).get("VLLM_API_KEY") == API_KEY
+    assert _environ(state["router"]["pid"]).get("KVCTL_ROUTER_API_KEY") == API_KEY
+    key_file = kvctl.home / "clusters" / "rc" / "api_key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600 and key_file.read_text().strip() == API_KEY
+    st = kvctl("status", "--name", "rc", "--json")
+    assert st.rc == 0 and API_KEY not in st.stdout + st.stderr
+    assert json.loads(st.stdout)["api_key_required"] is True
 
 
 def test_verify_goes_through_the_endpoint_by_default(cluster):
