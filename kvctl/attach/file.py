@@ -9,7 +9,7 @@
     prefill:                         # one instance (a mapping, named "prefill") or a list
       - name: prefill-0              #   (names default to prefill-0, prefill-1, ...)
         url: http://10.0.0.5:8000
-        log: cmd:kubectl logs -f --tail=0 pod/pd-prefill-0 -n serving   # or a file path
+        log: cmd:kubectl logs -f deploy/pd-prefill-0 -n serving --tail=0   # or a file path
         kv_transfer_config: {...}    # optional: what the server runs with
     decode:
       - {name: decode-0, url: http://10.0.0.6:8000, log: /var/log/vllm/decode-0.log}
