@@ -157,6 +157,8 @@ class _Recorder(BaseHTTPRequestHandler):
             return self._answer(401, {"error": "Unauthorized"})
         if self.path == "/tokenize":
             return self._answer(200, {"tokens": [1, 2, 3]})
+        if self.path == "/v1/models":
+            return self._answer(200, {"data": [{"id": "m", "root": "/m"}]})
         if self.path == "/v1/chat/completions":
             return self._answer(200, {"id": "x", "choices": [{"message": {"content": "hi"}}]})
         return self._answer(200, {})
@@ -194,6 +196,16 @@ def test_vllm_client_without_the_key_gets_a_401_that_says_so(server):
             client.chat(user_messages("x"), max_tokens=1)
     assert "401" in e.value.what and "API key" in e.value.what
     assert all(auth is None for _, auth in _Recorder.seen)
+
+
+def test_attach_asks_the_served_model_name_with_the_key_from_the_environment(server, monkeypatch):
+    from kvctl.attach.attach import served_model_name
+
+    monkeypatch.delenv("KVCTL_API_KEY", raising=False)
+    with pytest.raises(BadInput):
+        served_model_name(server)
+    monkeypatch.setenv("KVCTL_API_KEY", KEY)
+    assert served_model_name(server) == ("m", "/m")
 
 
 def test_bench_serve_hands_the_key_to_the_load_tool_through_its_environment(monkeypatch, tmp_path):

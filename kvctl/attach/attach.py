@@ -16,6 +16,7 @@ refuses a cluster kvctl launched (`kvctl down` stops those).
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shlex
 import shutil
@@ -26,7 +27,9 @@ from typing import Any
 import httpx
 
 from kvctl.attach.file import AttachFile, AttachFileInstance, read_attach_file
+from kvctl.client import auth_headers
 from kvctl.cluster.state import (
+    API_KEY_ENV,
     ATTACHED_RUNTIME,
     STATE_FILE,
     ClusterState,
@@ -137,9 +140,11 @@ def spec_from_file(path: Path, name: str | None = None) -> AttachSpec:
 
 
 def served_model_name(url: str) -> tuple[str, str | None]:
-    """(served name, model root) from `url`'s /v1/models. Raises BadInput (field `model_name`)."""
+    """(served name, model root) from `url`'s /v1/models (with $KVCTL_API_KEY, when set, as
+    `Authorization: Bearer`). Raises BadInput (field `model_name`)."""
     try:
-        r = httpx.get(f"{url}/v1/models", timeout=MODELS_TIMEOUT_S)
+        r = httpx.get(f"{url}/v1/models", timeout=MODELS_TIMEOUT_S,
+                      headers=auth_headers(os.environ.get(API_KEY_ENV)))
         r.raise_for_status()
         first = r.json()["data"][0]
         return str(first["id"]), (str(first["root"]) if first.get("root") else None)
