@@ -149,6 +149,18 @@ def test_verify_goes_through_the_endpoint_by_default(cluster):
     assert router_log.read_text().count("routed id=") == routed + 1  # --direct bypasses it
 
 
+def test_bench_serve_hands_the_key_to_the_load_tool(cluster):
+    """`vllm bench serve` sends the cluster's key (its OPENAI_API_KEY) to the endpoint; the
+    plain target here is P itself (no server to start), which requires the key too."""
+    kvctl, state = cluster
+    r = kvctl("bench", "serve", "rc", "--plain-url", state["instances"]["prefill"]["url"], "--requests", "2",
+              "--input-len", "16", "--output-len", "2", "--json", timeout=300)
+    assert r.rc == 0, r
+    report = json.loads(r.stdout)
+    assert (report["pd"]["completed"], report["pd"]["failed"]) == (2, 0)
+    assert (report["plain"]["completed"], report["plain"]["failed"]) == (2, 0)
+
+
 def test_down_stops_the_router(cluster):
     kvctl, state = cluster
     d = kvctl("down", "--name", "rc", "--json")
