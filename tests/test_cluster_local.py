@@ -346,6 +346,10 @@ BAD_LAUNCHES = [
     (["--name", "../evil"], "--name", "invalid cluster name"),
     (["--timeout", "0"], "--timeout", "timeout must be positive"),
     (["--decode-env", "NOEQUALS"], "--decode-env", "expected KEY=VALUE"),
+    (["--router-host", "localhost:80"], "--router-host", "is not an IP address"),
+    (["--router-host", "203.0.113.7"], "--router-host", "cannot listen on"),
+    (["--router-port", "BUSY"], "--router-port", "is not available"),
+    (["--no-router", "--router-port", "FREE"], "--router-port", "no router is started"),
 ]
 
 

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
 
+from kvctl.cluster.router_process import router_instance
+from kvctl.cluster.router_process import start_router as start_launched_router
 from kvctl.net import free_ports
 from kvctl.router.app import LISTENING, RunningRouter, start_router
 from kvctl.router.config import build_config
@@ -752,6 +755,24 @@ def test_router_process(make_cluster, aloop, tmp_path):
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(10)
     assert rc == 0, log_path.read_text()
+
+
+def test_a_launched_router_listens_where_it_is_told(make_cluster, tmp_path):
+    """launch --router-host 0.0.0.0 --router-port N: the router listens on every interface at N,
+    and its recorded URL is the loopback one clients here use."""
+    fakes = make_cluster()
+    port = free_ports(1)[0]
+    record = start_launched_router({"prefill-0": ("prefill", fakes.prefill[0].url),
+                                    "decode-0": ("decode", fakes.decode[0].url)}, tmp_path, port, host="0.0.0.0")
+    try:
+        assert record["url"] == f"http://127.0.0.1:{port}"
+        assert record["command"][record["command"].index("--host") + 1] == "0.0.0.0"
+        listening = Path("/proc/net/tcp").read_text().splitlines()[1:]
+        assert any(f.split()[1] == f"00000000:{port:04X}" and f.split()[3] == "0A" for f in listening), \
+            "not listening on 0.0.0.0"
+        assert httpx.get(f"{record['url']}/health", timeout=5).status_code == 200
+    finally:
+        router_instance(record).stop(5.0)
 
 
 @pytest.mark.parametrize("args, flag", [

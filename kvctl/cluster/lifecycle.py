@@ -389,7 +389,8 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             wait_instances_healthy(started, spec.timeout_s, t0, progress, spec.name)
             if spec.router:
                 state.router = start_router({n: (r.role, r.url) for n, r in state.instances.items()},
-                                            cdir, free_ports(1)[0], api_key=spec.api_key)
+                                            cdir, spec.router_port or free_ports(1)[0],
+                                            host=spec.router_host, api_key=spec.api_key)
                 state.endpoint = state.router["url"]
                 save_cluster(state)
             return state

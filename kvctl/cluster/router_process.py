@@ -63,7 +63,7 @@ def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 cwd=cdir, start_new_session=True, env=env)
-    url = f"http://{host}:{port}"
+    url = f"http://{_reachable(host)}:{port}"
     record = {"url": url, "pid": proc.pid, "start_ticks": process_start_ticks(proc.pid),
               "command": argv, "log_path": str(log_path)}
     deadline = time.monotonic() + ROUTER_READY_S
@@ -87,6 +87,15 @@ def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int
     raise RuntimeFailure(f"the router at {url} did not become healthy (exit code {proc.returncode})",
                          where=str(log_path), fix="read the router's log tail below",
                          details=tail)
+
+
+def _reachable(host: str) -> str:
+    """The address clients on this host use for a server bound to `host` (a wildcard: loopback)."""
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if ":" in host:
+        return "[::1]" if host == "::" else f"[{host}]"
+    return host
 
 
 def router_instance(record: Mapping[str, Any]) -> Instance:

@@ -12,6 +12,7 @@ is kvctl.cluster.state; parsing typed values is kvctl.cluster.parse.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import socket
@@ -29,6 +30,7 @@ from kvctl.runtime.docker_options import DockerOptions, gpu_lists
 
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
 DEFAULT_WORKER_CLS = "connectors.v0.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
+ROUTER_HOST = "127.0.0.1"  # the router binds loopback unless told otherwise
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
            "float16": "float16", "half": "float16"}
 
@@ -72,6 +74,8 @@ class ClusterSpec:
     timeout_s: float = DEFAULT_TIMEOUT_S
     docker: DockerOptions | None = None  # image, GPUs, bind address, engines (docker runtime only)
     router: bool = True  # start kvctl's router: one endpoint in front of P and D
+    router_host: str = ROUTER_HOST  # the address the router binds (0.0.0.0: every interface)
+    router_port: int = 0  # 0: a free port chosen at launch
     # xPyD pools: how many instances of each role (one RoleSpec each: same config, store,
     # args, env and engine). `pooled` names them prefill-0, decode-0, ...; else (1P1D)
     # the one instance of each role is named after it.
@@ -182,18 +186,49 @@ def resolve_model(model: Path | None) -> Path:
     return model
 
 
-def check_port_free(port: int, field: str) -> None:
-    """Raises BadInput naming `field` when `port` on 127.0.0.1 cannot be bound (in use, or privileged)."""
+def check_port_free(port: int, field: str, host: str = "127.0.0.1") -> None:
+    """Raises BadInput naming `field` when `port` on `host` cannot be bound (in use, or privileged)."""
     if not 0 < port < 65536:
         raise BadInput(f"port {port} is out of range", field=field,
                        fix="use 1024-65535, or leave it out for a free one")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError as e:
             raise BadInput(f"port {port} is not available: {e.strerror}", field=field,
                            fix="pick another port, or leave it out for a free one") from None
+
+
+def check_router_address(host: str, port: int, router: bool, taken: set[int]) -> None:
+    """The router's bind address and port: an IP address of this host, a free port not given to a server.
+
+    Raises BadInput naming `router_host` or `router_port`.
+    """
+    given = [f for f, v in (("router_host", host != ROUTER_HOST), ("router_port", port != 0)) if v]
+    if given and not router:
+        raise BadInput("the router's address is set but no router is started", field=tuple(given),
+                       fix="drop the router's address, or start the router")
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        raise BadInput(f"{host!r} is not an IP address", field="router_host",
+                       fix="give an address of this host, e.g. 127.0.0.1 (the default) or 0.0.0.0 for every "
+                           "interface") from None
+    if port in taken:
+        raise BadInput(f"the router and a server cannot both use port {port}", field="router_port",
+                       fix="give the router another port, or leave it out for a free one")
+    if port:
+        check_port_free(port, "router_port", host)
+    elif host != ROUTER_HOST:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, 0))
+            except OSError as e:
+                raise BadInput(f"cannot listen on {host}: {e.strerror}", field="router_host",
+                               fix="give an address of this host (ip addr lists them), or 0.0.0.0") from None
 
 
 _SIDES = {"prefill": "send", "decode": "recv"}
@@ -266,7 +301,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
                     docker: DockerOptions | None = None, router: bool = True,
                     prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE,
                     prefill_count: int = 1, decode_count: int = 1, pooled: bool = False,
-                    api_key: str | None = None) -> ClusterSpec:
+                    api_key: str | None = None, router_host: str = ROUTER_HOST,
+                    router_port: int = 0) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     `prefill_count`/`decode_count` instances of each role (`pooled` names them
@@ -275,6 +311,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     own port (a given port is the first of consecutive ones) and core.
 
     `api_key`: every server and the router require it (None: no key).
+    `router_host`/`router_port`: where the router listens (default 127.0.0.1, a free port).
 
     On the docker runtime every instance is a container (pools included);
     `docker.gpus` must give each instance its device list (docker_options.gpu_lists).
@@ -285,7 +322,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     match the instances, an empty API key. Fields: `name`, `model`, `prefill_config`,
     `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`,
     `prefill_engine`, `decode_engine`, `prefill`, `decode` (pool sizes), `gpus`,
-    `api_key`.
+    `api_key`, `router_host`, `router_port`.
     """
     validate_cluster_name(name)
     if api_key is not None:
@@ -320,6 +357,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     if set(p_ports) & set(d_ports):
         raise BadInput(f"prefill and decode cannot both use port {min(set(p_ports) & set(d_ports))}",
                        field=("prefill_port", "decode_port"), fix="give them different ports")
+    check_router_address(router_host, router_port, router, set(p_ports) | set(d_ports))
     binds = spread_cpu_binds(prefill_count + decode_count)  # 1P1D: one core for P, another for D
     p_binds, d_binds = tuple(binds[:prefill_count]), tuple(binds[prefill_count:])
     p_bind, d_bind = p_binds[0], d_binds[0]
@@ -332,6 +370,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         decode=RoleSpec(configs["decode"], decode_port, d_bind, tuple(decode_args),
                         dict(decode_env or {}), engines["decode"], d_binds),
         worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router,
+        router_host=router_host, router_port=router_port,
         prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key)
 
 

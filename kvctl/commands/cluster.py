@@ -15,7 +15,8 @@ import typer
 
 from kvctl.cluster import lifecycle
 from kvctl.cluster.parse import parse_env_items, parse_kv_config
-from kvctl.cluster.spec import DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, build_1p1d_spec, build_pd_spec, check_engine
+from kvctl.cluster.spec import (DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, ROUTER_HOST, build_1p1d_spec, build_pd_spec,
+                                check_engine)
 from kvctl.cluster.state import API_KEY_ENV, DEFAULT_NAME, check_api_key
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import json_option
@@ -83,7 +84,10 @@ def launch_1p1d_cmd(
     decode_engine: str | None = typer.Option(None, "--decode-engine", help="D's engine (default: --engine)."),
     router: bool = typer.Option(True, "--router/--no-router",
                                 help="Start kvctl's router: one OpenAI endpoint (status: \"endpoint\") in "
-                                     "front of P and D, on 127.0.0.1."),
+                                     "front of P and D, on --router-host."),
+    router_host: str = typer.Option(ROUTER_HOST, "--router-host", metavar="ADDR",
+                                    help="The address the router listens on: 0.0.0.0 for every interface."),
+    router_port: int = typer.Option(0, "--router-port", help="The router's port (default: a free one)."),
     api_key: str | None = typer.Option(None, "--api-key", metavar="KEY", show_default=False, help=_API_KEY_HELP),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
@@ -102,7 +106,8 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             prefill_env: list[str], decode_env: list[str], worker_cls: str, image: str | None,
             gpus: list[str], bind: str | None, prefill_docker_host: str | None,
             decode_docker_host: str | None, engine: str, prefill_engine: str | None,
-            decode_engine: str | None, router: bool, api_key: str | None, json_: bool,
+            decode_engine: str | None, router: bool, router_host: str, router_port: int,
+            api_key: str | None, json_: bool,
             pools: tuple[int, int] | None = None) -> None:
     """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
@@ -130,7 +135,8 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
         prefill_env=parse_env_items(prefill_env, "prefill_env"),
         decode_env=parse_env_items(decode_env, "decode_env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker, router=router,
-        prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key)
+        prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key,
+        router_host=router_host, router_port=router_port)
     render_launch_plan(out, spec, why)
     if chosen == "local" and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)
