@@ -71,7 +71,7 @@ def test_launched_state_json_is_unchanged_and_attached_adds_fields(home):
                             created=utc_now(), managed=False, endpoint="http://r:8000", instances={
                                 "decode-0": InstanceRecord("decode", "http://d:1", "", None, "", {}, log_source="")})
     doc = attached.to_json()
-    assert "store" not in doc and doc["managed"] is False and doc["endpoint"] == "http://r:8000"
+    assert doc["store"] is None and doc["managed"] is False and doc["endpoint"] == "http://r:8000"
     assert doc["instances"]["decode-0"]["log_source"] is None
     back = ClusterState.from_json(doc)
     assert back.to_json() == doc and back.instances["decode-0"].source() is None and not back.managed

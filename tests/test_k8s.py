@@ -219,7 +219,7 @@ def test_cli_render_then_attach_from_k8s(tmp_path, monkeypatch, capsys):
     assert f"kvctl attach --from-k8s {out}" in doc["next"]
     assert main(["attach", "--from-k8s", str(out), "--json"]) == 0
     state = json.loads(capsys.readouterr().out)
-    assert state["managed"] is False and "store" not in state and state["endpoint"] == "http://127.0.0.1:18000"
+    assert state["managed"] is False and state["store"] is None and state["endpoint"] == "http://127.0.0.1:18000"
     assert state["instances"]["decode-0"]["log_source"] == "cmd:kubectl logs -f deploy/pd-decode-0 --tail=0 -c vllm"
     assert main(["render", "k8s", "PD", "--out", str(out)]) == 2
     assert "where: NAME" in capsys.readouterr().err

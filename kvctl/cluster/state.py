@@ -25,7 +25,7 @@ A cluster kvctl did not start (`kvctl attach`, kvctl.attach) adds to that:
 
     {"runtime": "attached", "managed": false,
      "endpoint": router URL (only when there is one),
-     "store": absent when the store is not visible from this host,
+     "store": null when the store is not visible from this host,
      "instances": {NAME: {"role": "prefill"|"decode", "url": ...,
                           "log_source": a file path | "cmd:COMMAND" | null,
                           "log_path": the file verify reads ("" without a source), ...}}}
@@ -143,8 +143,7 @@ class ClusterState:
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "runtime": self.runtime, "model": self.model,
                                 "served_model_name": self.served_model_name}
-        if self.store is not None:
-            data["store"] = self.store
+        data["store"] = self.store  # null: an attached cluster's store is not visible here
         data["created"] = self.created
         if not self.managed:
             data["managed"] = False
