@@ -44,7 +44,7 @@ from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
 from kvctl.verify.prompts import load_prompts_file
 from kvctl.verify.report import RequestReport, VerifyReport
 from kvctl.verify.load_mode import ERROR_CHECK, run_load
-from kvctl.verify.verifier import RunOptions, expected_send_children, run_verify, verify_cluster
+from kvctl.verify.verifier import ClusterVerifier, RunOptions, expected_send_children, run_verify, verify_cluster
 
 IDENT = KVIdentity(model="tiny", num_layers=2, kv_parts=2, kv_heads=2, head_size=4, dtype="F32")
 SEED_P_CONFIG = {"kv_connector": "MultiConnectorV0", "kv_role": "kv_both", "kv_connector_extra_config": {
@@ -306,6 +306,17 @@ def test_cluster_info_from_state_json(tmp_path):
     with pytest.raises(BadInput) as e:
         cluster_info(state)
     assert "instances.decode.log_path" in e.value.what
+
+
+@pytest.mark.parametrize("managed, fix", [(True, "launch it again with its router"),
+                                           (False, "attach it with its router's URL")])
+def test_verify_through_a_missing_endpoint_says_how_to_get_one(managed, fix):
+    p = InstanceInfo("prefill", "http://127.0.0.1:1", Path("/l/p.log"), FS_PRODUCER)
+    d = InstanceInfo("decode", "http://127.0.0.1:2", Path("/l/d.log"), FS_CONSUMER)
+    info = ClusterInfo(name="c", model="m", store=None, prefill=p, decode=d, managed=managed)
+    with pytest.raises(BadInput, match="has no endpoint") as e:
+        ClusterVerifier(info, via_endpoint=True)
+    assert e.value.fix.startswith(fix)
 
 
 def test_cli_bad_input_exit_2(tmp_path, monkeypatch, capsys):

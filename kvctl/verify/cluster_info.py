@@ -56,6 +56,7 @@ class ClusterInfo:
     store_unobservable: str = ""
     instances: tuple[InstanceInfo, ...] = field(default=())  # every instance; () means prefill and decode
     api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer KEY`
+    managed: bool = True  # False: attached (kvctl did not start it)
 
     def all_instances(self) -> tuple[InstanceInfo, ...]:
         return self.instances or (self.prefill, self.decode)
@@ -123,7 +124,7 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
         store_path, store_why = None, STORE_NOT_VISIBLE
     return ClusterInfo(name=name, model=str(model), store=store_path, prefill=instance(p_key),
                        decode=instance(d_key), endpoint=d.get("endpoint"), store_unobservable=store_why,
-                       instances=all_infos, api_key=cluster_api_key(name))
+                       instances=all_infos, api_key=cluster_api_key(name), managed=managed)
 
 
 def load_cluster_info(name: str, *, prefill: str | None = None, decode: str | None = None) -> ClusterInfo:

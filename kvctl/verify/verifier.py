@@ -129,7 +129,9 @@ class ClusterVerifier:
         if via_endpoint:
             if not info.endpoint:
                 raise BadInput(f"cluster {info.name!r} has no endpoint to send requests through", field="via_endpoint",
-                               fix="attach it with its router's URL as the endpoint, or verify P and D directly")
+                               fix=("launch it again with its router (the default), or verify P and D directly"
+                                    if info.managed else
+                                    "attach it with its router's URL as the endpoint, or verify P and D directly"))
             self.endpoint = VLLMClient(info.endpoint, info.model, role="endpoint", api_key=info.api_key)
             pool = info.all_instances()
             self.p_log = LogPool([i for i in pool if i.role == "prefill"])
