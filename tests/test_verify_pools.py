@@ -253,3 +253,23 @@ def test_load_mode_through_the_router_counts_each_instance(pools_cluster):
     out = io.StringIO()
     render_load(result, Console(file=out, width=120))
     assert "requests served: prefill-0 4, prefill-1 4, decode-0 0, decode-1 8" in out.getvalue()
+
+
+def test_an_instance_the_cluster_does_not_list_makes_its_evidence_not_observable(pools_cluster):
+    """Attached with only some of the instances behind its endpoint: a request the router sent to an
+    unlisted one has its evidence in a log kvctl cannot read -- not observable, never failed."""
+    full, router = pools_cluster()
+    p0, d0 = full.instances[0], full.instances[2]
+    info = ClusterInfo("some", "tiny", full.store, p0, d0, endpoint=router.url, instances=(p0, d0))
+    report = run_verify(info, PROMPTS, RunOptions(max_tokens=4, via_endpoint=True, log_wait_s=0.5)).report
+    for r, (_, p, d) in zip(report.requests, router.routed):
+        send = r.check("kv_send_logged")
+        if p == 1:
+            assert send.observable is False and not send.passed, send
+            assert "prefill-1" in send.evidence and "not listed" in send.evidence
+        else:
+            assert send.passed, send
+        if d == 1:
+            assert r.check("decode_skipped_forward").observable is False
+        assert r.check("output_matches_baseline").passed
+    assert not report.passed  # --require all: what kvctl could not see is no pass

@@ -67,7 +67,7 @@ from kvctl.verify.checks import (
     third_party_checks,
     transfer_bytes,
 )
-from kvctl.verify.cluster_info import ClusterInfo, cluster_info
+from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
 from kvctl.verify.report import (
@@ -355,14 +355,23 @@ def _id_header(request_id: str) -> dict[str, str] | None:
 def _follow(pool: LogPool, start: tuple[int, ...], named: str | None,
             header: str) -> tuple[LogPool, tuple[int, ...], str | None, str]:
     """The logs a request's evidence is looked for in: the instance `named` by the router's
-    `header`, when the pool has it; else the whole pool, with a note saying why."""
+    `header`, when the pool has it; else the whole pool, with a note saying why.
+
+    An instance the router named that the cluster does not list joins the pool
+    as a log out of reach: evidence missing from the logs kvctl can read is
+    then not observable (it may be in that instance's log), never failed."""
     if named:
         narrowed = pool.only(named, start)
         if narrowed is not None:
             return narrowed[0], narrowed[1], named, ""
         known = ", ".join(i.label for i in pool.instances)
-        return pool, start, None, (f"the router's {header} named {named!r}, not an instance of this cluster "
-                                   f"({known}): every instance's log was searched")
+        role = pool.instances[0].role if pool.instances else ""
+        unlisted = InstanceInfo(role=role, url="", log_path=None, kv_transfer_config={}, name=named,
+                                unobservable="named by the router, not listed in this cluster (attach it "
+                                             "with its log source)")
+        return (LogPool([*pool.instances, unlisted]), (*start, 0), None,
+                f"the router's {header} named {named!r}, not an instance of this cluster ({known}): every "
+                f"instance's log was searched")
     return pool, start, None, f"the answer had no {header} header: every instance's log was searched"
 
 
