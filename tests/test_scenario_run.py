@@ -20,6 +20,7 @@ from conftest import live_processes_under
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.scenario.schema import CHECK_NAMES, Scenario, scenarios_dir
+from kvctl.scenario import runner
 from kvctl.scenario.runner import (
     PHASES,
     PhaseResult,
@@ -215,6 +216,25 @@ def test_report_exit_codes_and_junit_for_a_failed_launch():
     ET.fromstring(ET.tostring(root))  # well-formed (control characters dropped)
     report.error, report.interrupted = None, True
     assert report.exit_code == 130
+
+
+@pytest.mark.parametrize("engines, engine", [({"prefill": "v1", "decode": "v1"}, "v1"),
+                                             ({"prefill": "v0", "decode": "v1"}, "mixed"), (None, None)])
+def test_report_json_names_the_engine(engines, engine):
+    report = ScenarioReport(scenario="s", source=None, cluster="s", runtime="local", runtime_reason="",
+                            expected_checks=list(CHECK_NAMES), engines=engines)
+    doc = report.to_json()
+    assert doc["engine"] == engine and doc["engines"] == engines
+
+
+def test_plan_engines_reach_the_report(kvctl_home, tiny_model, monkeypatch):
+    """run_scenario fills `engines` from the plan's spec (each role's engine)."""
+    seen = {}
+    monkeypatch.setattr(runner, "_run_phases", lambda plan, report, phases, progress: seen.update(report.to_json()))
+    doc = shipped("smoke-1p1d")
+    doc.update(model=str(tiny_model), engine="v1")
+    runner.run_scenario(Scenario.model_validate(doc))
+    assert seen["engine"] == "v1" and seen["engines"] == {"prefill": "v1", "decode": "v1"}
 
 
 # ---------------------------------------------------------------- e2e (rig)

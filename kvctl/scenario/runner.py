@@ -124,6 +124,7 @@ class ScenarioReport:
     interrupted: bool = False
     kept: str | None = None
     wall_s: float = 0.0
+    engines: dict[str, str] | None = None  # the vLLM engine of each role (None: an attached cluster)
 
     def failed_checks(self) -> list[tuple[int, str, str]]:
         """(request index, check name, evidence) of every expected check that failed."""
@@ -132,6 +133,14 @@ class ScenarioReport:
         allowed = self.verify.require == REQUIRE_OBSERVABLE  # then a check not observable is no failure
         return [(i, c.name, c.evidence) for i, r in enumerate(self.verify.requests) for c in r.checks
                 if c.name in self.expected_checks and not c.passed and (c.observable or not allowed)]
+
+    @property
+    def engine(self) -> str | None:
+        """P's and D's engine when they share one, else "mixed" (None: attached)."""
+        if not self.engines:
+            return None
+        used = set(self.engines.values())
+        return used.pop() if len(used) == 1 else "mixed"
 
     @property
     def passed(self) -> bool:
@@ -150,6 +159,7 @@ class ScenarioReport:
         return {
             "scenario": self.scenario, "source": self.source, "cluster": self.cluster,
             "runtime": self.runtime, "runtime_reason": self.runtime_reason,
+            "engine": self.engine, "engines": self.engines,
             "passed": self.passed, "exit_code": self.exit_code, "interrupted": self.interrupted,
             "expected_checks": self.expected_checks,
             "phases": [p.to_json() for p in self.phases.values()],
@@ -432,7 +442,9 @@ def run_scenario(scenario: Scenario, progress: ScenarioProgress | None = None, *
     plan = plan_scenario(scenario, keep=keep, source=source)
     report = ScenarioReport(scenario=scenario.name, source=source, cluster=plan.cluster,
                             runtime=plan.runtime, runtime_reason=plan.runtime_reason,
-                            expected_checks=list(scenario.expectations.checks))
+                            expected_checks=list(scenario.expectations.checks),
+                            engines=None if plan.spec is None else {"prefill": plan.spec.prefill.engine,
+                                                                    "decode": plan.spec.decode.engine})
     t0 = time.monotonic()
     # SIGTERM/SIGHUP (e.g. a CI timeout) must tear down too, not only Ctrl-C.
     with signals_interrupt():
