@@ -6,12 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from connectors.config.validate import check_kv_transfer_config, required_engine
-from kvctl.cluster.spec import build_1p1d_spec
+from kvctl.cluster.spec import build_1p1d_spec, launch_warnings
 from kvctl.errors import BadInput
 from kvctl.runtime.base import InstanceSpec, vllm_server_args, vllm_server_env
 from kvctl.scenario.schema import check_scenario
+from kvctl.views.cluster import render_launch_plan
+from kvctl.views.output import Output
 from kvctl.verify import markers
 from kvctl.verify.checks import check_decode_skipped_forward
 
@@ -97,6 +100,18 @@ def test_decode_skipped_forward_on_v1_counts():
     assert not miss.passed and "loaded nothing" in miss.evidence
     wrong = check_decode_skipped_forward(DONE.replace("computed=1", "computed=8"), "abc")
     assert not wrong.passed and "computed 8" in wrong.evidence
+
+
+def test_a_v1_prefill_before_a_v0_decode_is_warned_about(kvctl_home, tiny_model):
+    """V1 entries have no hidden state: a V0 D recomputes every prompt. The launch plan says so."""
+    def warnings(p: str, d: str) -> list[str]:
+        return launch_warnings(build_1p1d_spec(name="mix", model=tiny_model, prefill_engine=p, decode_engine=d))
+    assert len(warnings("v1", "v0")) == 1 and "recomputes every prompt" in warnings("v1", "v0")[0]
+    assert warnings("v0", "v1") == [] and warnings("v1", "v1") == [] and warnings("v0", "v0") == []
+    out = Output(stderr=Console(record=True, width=200))
+    render_launch_plan(out, build_1p1d_spec(name="mix", model=tiny_model, prefill_engine="v1",
+                                            decode_engine="v0"), "asked")
+    assert "warning: a V1 prefill in front of a V0 decode" in out.stderr.export_text()
 
 
 def test_a_bad_scenario_engine_gets_the_engine_fix_at_both_levels():

@@ -374,6 +374,16 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
         prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key)
 
 
+def launch_warnings(spec: ClusterSpec) -> list[str]:
+    """What a valid spec will not do as its user may expect (shown before the launch)."""
+    warnings = []
+    if (spec.prefill.engine, spec.decode.engine) == ("v1", "v0") and spec.decode.kv_transfer_config is not None:
+        warnings.append("a V1 prefill in front of a V0 decode: V1 entries carry no hidden state, which V0 "
+                        "needs, so D recomputes every prompt (the migration path is a V0 prefill in front "
+                        "of a V1 decode)")
+    return warnings
+
+
 def build_pd_spec(*, prefill: int, decode: int, **options: object) -> ClusterSpec:
     """An xPyD ClusterSpec: `prefill` instances named prefill-0, ..., `decode` named decode-0, ...
 

@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvctl.cluster.lifecycle import ClusterStatus, DamagedCluster, DownReport, LaunchProgress
-from kvctl.cluster.spec import ClusterSpec
+from kvctl.cluster.spec import ClusterSpec, launch_warnings
 from kvctl.cluster.state import ClusterState, InstanceRecord
 from kvctl.views.output import Output
 
@@ -30,6 +30,8 @@ def _gpus(rec: InstanceRecord) -> str:
 def render_launch_plan(out: Output, spec: ClusterSpec, why: str) -> None:
     """Before a launch: the runtime (and why it was chosen), the model and the store."""
     out.info(f"runtime: [bold]{spec.runtime}[/bold] ({why}); model {spec.model}; store {spec.store}")
+    for warning in launch_warnings(spec):
+        out.info(f"[yellow]warning:[/yellow] {warning}")
 
 
 def render_launch_interrupted(out: Output, name: str, e: KeyboardInterrupt) -> None:
