@@ -80,10 +80,12 @@ def test_docker_containers_get_the_key_in_their_environment(kvctl_home, model_di
     assert KEY not in " ".join(config["command"]) and KEY not in json.dumps(config["labels"])
 
 
-def test_the_router_reads_its_key_where_kvctl_puts_it():
-    from kvctl.router.__main__ import API_KEY_ENV
+def test_the_router_reads_its_key_where_kvctl_puts_it(monkeypatch):
+    from kvctl.router.__main__ import parser
 
-    assert ROUTER_API_KEY_ENV == API_KEY_ENV
+    monkeypatch.setenv(ROUTER_API_KEY_ENV, "k-env")
+    args = parser().parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"])
+    assert args.api_key == "k-env"
 
 
 # ---------------------------------------------------------------- the state

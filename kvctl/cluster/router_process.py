@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 
 from kvctl.errors import RuntimeFailure
+from kvctl.router.config import API_KEY_ENV as ROUTER_API_KEY_ENV
+from kvctl.router.config import DEFAULT_HOST
 from kvctl.runtime import get_runtime
 from kvctl.runtime.base import Instance, read_log_tail
 from kvctl.runtime.processes import process_start_ticks
@@ -38,11 +40,10 @@ from kvctl.subprocesses import TAIL_LINES
 
 ROUTER_MODULE = "kvctl.router"
 ROUTER_READY_S = 60.0  # the router is up in about a second; its /health waits for P and D
-ROUTER_API_KEY_ENV = "KVCTL_ROUTER_API_KEY"  # where `python -m kvctl.router` reads its API key
 
 
 def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int,
-                 host: str = "127.0.0.1", api_key: str | None = None) -> dict[str, Any]:
+                 host: str = DEFAULT_HOST, api_key: str | None = None) -> dict[str, Any]:
     """Start the router for `instances` ({name: (role, url)}) and wait until it is healthy.
 
     `api_key`: the router requires `Authorization: Bearer KEY` on /v1/* (None: no key,

@@ -25,12 +25,12 @@ from connectors.config.validate import ConfigError, registered_v0_connectors, va
 from kvctl.cluster.state import DEFAULT_NAME, check_api_key, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision.tiny_model import ensure_default_model
+from kvctl.router.config import DEFAULT_HOST as ROUTER_HOST  # the router binds loopback unless told otherwise
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, ENGINES, MAX_MODEL_LEN
 from kvctl.runtime.docker_options import DockerOptions, gpu_lists
 
 DEFAULT_TIMEOUT_S = 300.0  # launch: both servers healthy within this
 DEFAULT_WORKER_CLS = "connectors.v0.cpu_worker.KVTransferCPUWorker"  # adds the V0 KV hooks on CPU
-ROUTER_HOST = "127.0.0.1"  # the router binds loopback unless told otherwise
 _DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
            "float16": "float16", "half": "float16"}
 
@@ -191,14 +191,22 @@ def check_port_free(port: int, field: str, host: str = "127.0.0.1") -> None:
     if not 0 < port < 65536:
         raise BadInput(f"port {port} is out of range", field=field,
                        fix="use 1024-65535, or leave it out for a free one")
+    error = _bind_error(host, port)
+    if error is not None:
+        raise BadInput(f"port {port} is not available: {error.strerror}", field=field,
+                       fix="pick another port, or leave it out for a free one")
+
+
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on (`host`, `port`) now (port 0: any port), or None."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
             s.bind((host, port))
         except OSError as e:
-            raise BadInput(f"port {port} is not available: {e.strerror}", field=field,
-                           fix="pick another port, or leave it out for a free one") from None
+            return e
+    return None
 
 
 def check_router_address(host: str, port: int, router: bool, taken: set[int]) -> None:
@@ -221,14 +229,9 @@ def check_router_address(host: str, port: int, router: bool, taken: set[int]) ->
                        fix="give the router another port, or leave it out for a free one")
     if port:
         check_port_free(port, "router_port", host)
-    elif host != ROUTER_HOST:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            try:
-                s.bind((host, 0))
-            except OSError as e:
-                raise BadInput(f"cannot listen on {host}: {e.strerror}", field="router_host",
-                               fix="give an address of this host (ip addr lists them), or 0.0.0.0") from None
+    elif (error := _bind_error(host, 0)) is not None:
+        raise BadInput(f"cannot listen on {host}: {error.strerror}", field="router_host",
+                       fix="give an address of this host (ip addr lists them), or 0.0.0.0")
 
 
 _SIDES = {"prefill": "send", "decode": "recv"}

@@ -23,7 +23,6 @@ from kvctl.router import config as cfg
 from kvctl.router.app import serve
 
 MODULE = "kvctl.router"
-API_KEY_ENV = "KVCTL_ROUTER_API_KEY"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -37,8 +36,8 @@ def parser() -> argparse.ArgumentParser:
                    help="a decode server (repeat for several); unnamed ones are decode-0, decode-1, ...")
     p.add_argument("--host", default=cfg.DEFAULT_HOST, help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, required=True, help="port to listen on (0: any free one)")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
-                   help=f"require `Authorization: Bearer KEY` on /v1/* (default ${API_KEY_ENV})")
+    p.add_argument("--api-key", default=os.environ.get(cfg.API_KEY_ENV) or None,
+                   help=f"require `Authorization: Bearer KEY` on /v1/* (default ${cfg.API_KEY_ENV})")
     p.add_argument("--policy", default=cfg.DEFAULT_POLICY, choices=cfg.POLICIES,
                    help="how each pool picks an instance (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=cfg.HEALTH_INTERVAL_S, metavar="S",

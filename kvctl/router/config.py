@@ -18,6 +18,7 @@ ROLES = ("prefill", "decode")
 POLICIES = ("round_robin", "least_outstanding")
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise
+API_KEY_ENV = "KVCTL_ROUTER_API_KEY"  # the router process's API key, from its environment (never argv)
 DEFAULT_POLICY = "round_robin"
 HEALTH_INTERVAL_S = 1.0  # how often each instance's /health is polled
 HEALTH_TIMEOUT_S = 2.0  # one /health request
