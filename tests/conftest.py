@@ -139,7 +139,9 @@ def cpu_tag(main_engine) -> str:
 @pytest.fixture
 def vllm_slot(shared_dir: Path) -> Iterator[None]:
     """Hold the run-wide lock for starting vLLM servers (one pair at a time)."""
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    from e2e_helpers import slot_lock_path
+
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

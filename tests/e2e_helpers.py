@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,12 @@ from kvctl.client import VLLMClient, user_messages
 from kvctl.router.route_log import RouteRecord, parse_route_line
 
 
+def slot_lock_path(shared_dir: Path) -> Path:
+    """The lock file that lets one vLLM server pair start at a time: per test run, or
+    machine-wide when $KVCTL_VLLM_SLOT_LOCK names one (several checkouts testing at once)."""
+    return Path(os.environ.get("KVCTL_VLLM_SLOT_LOCK") or shared_dir / "vllm-slot.lock")
+
+
 @contextlib.contextmanager
 def cluster_for_module(tmp_path_factory, shared_dir: Path, rig_python: Path, model: Path,
                        name: str, **spec_kwargs) -> Iterator["Cluster"]:
@@ -27,7 +34,7 @@ def cluster_for_module(tmp_path_factory, shared_dir: Path, rig_python: Path, mod
     from kvctl.cluster.lifecycle import running_cluster
 
     home = tmp_path_factory.mktemp(f"home-{name}")
-    with open(shared_dir / "vllm-slot.lock", "w") as lock, pytest.MonkeyPatch.context() as mp:
+    with open(slot_lock_path(shared_dir), "w") as lock, pytest.MonkeyPatch.context() as mp:
         fcntl.flock(lock, fcntl.LOCK_EX)
         mp.setenv("KVCTL_HOME", str(home))
         mp.setenv("KVCTL_RIG_PYTHON", str(rig_python))
@@ -50,7 +57,7 @@ def launched_by_cli(tmp_path_factory, shared_dir: Path, name: str, *launch: str,
 
     home = tmp_path_factory.mktemp(f"{name}-home")
     kvctl = Kvctl(home)
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         r = kvctl(*launch, "--name", name, "--timeout", str(timeout), "--json", timeout=timeout + 120)
         assert r.rc == 0, r

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+
+from e2e_helpers import slot_lock_path
 from conftest import Kvctl, live_processes_under
 
 from kvctl.attach.attach import detach_cluster
@@ -39,7 +41,7 @@ def src(tmp_path_factory, shared_dir, rig_python, tiny_model) -> Iterator[tuple[
     kvctl = Kvctl(home)
     previous = os.environ.get("KVCTL_HOME")
     os.environ["KVCTL_HOME"] = str(home)  # for the library calls of the teardown
-    with open(shared_dir / "vllm-slot.lock", "w") as slot:
+    with open(slot_lock_path(shared_dir), "w") as slot:
         fcntl.flock(slot, fcntl.LOCK_EX)
         try:
             r = kvctl("launch", "1p1d", "--name", "src", "--model", str(tiny_model), "--json",

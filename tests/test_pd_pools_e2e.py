@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Kvctl, group_alive, pid_alive
-from e2e_helpers import send_through_endpoint
+from e2e_helpers import slot_lock_path, send_through_endpoint
 
 from kvctl.router.route_log import parse_route_line
 
@@ -44,7 +44,7 @@ def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
     """One 2P2D cluster for the module, launched by the CLI, holding the run-wide vLLM slot."""
     home = tmp_path_factory.mktemp("pools-home")
     kvctl = Kvctl(home)
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         r = kvctl("launch", "pd", "--prefill", "2", "--decode", "2", "--name", "pools",
                   "--model", str(tiny_model), "--timeout", str(LAUNCH_TIMEOUT_S), "--json",

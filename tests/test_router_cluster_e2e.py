@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+
+from e2e_helpers import slot_lock_path
 from conftest import Kvctl, pid_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
@@ -40,7 +42,7 @@ def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
     which later commands do not get), holding the run-wide vLLM slot."""
     home = tmp_path_factory.mktemp("router-home")
     kvctl = Kvctl(home)
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         kvctl.env["KVCTL_API_KEY"] = API_KEY
         r = kvctl("launch", "1p1d", "--name", "rc", "--model", str(tiny_model), "--json",

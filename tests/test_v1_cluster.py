@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from e2e_helpers import slot_lock_path
 from conftest import Kvctl, pid_alive
 from test_v1_e2e import V1_PYTHON_ENV, _python_or_skip
 
@@ -35,7 +37,7 @@ _LOADED = re.compile(r"loaded=(\d+) computed=(\d+) of prompt_tokens=(\d+) \(pref
 
 @pytest.fixture(scope="module")
 def module_slot(shared_dir: Path) -> Iterator[None]:
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

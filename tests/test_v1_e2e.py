@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
+from e2e_helpers import slot_lock_path
+
 from connectors.store import format as fmt
 from connectors.v1.transfer import KV_ONLY_SUFFIX
 from kvctl.client import VLLMClient, user_messages
@@ -240,7 +242,7 @@ def v0_python() -> Path:
 @pytest.fixture(scope="module")
 def slot(shared_dir: Path) -> Iterator[None]:
     """The run-wide vLLM slot for the whole module (servers of one class at a time)."""
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 

@@ -21,6 +21,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
+from e2e_helpers import slot_lock_path
 from conftest import Kvctl, pid_alive
 
 from connectors.store.format import entry_path
@@ -37,7 +39,7 @@ VERIFY_TIMEOUT_S = 600
 @pytest.fixture(scope="module")
 def vllm_module_slot(shared_dir):
     """The run-wide one-server-pair lock (conftest's vllm_slot), held for this module."""
-    with open(shared_dir / "vllm-slot.lock", "w") as lock:
+    with open(slot_lock_path(shared_dir), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
 
