@@ -10,10 +10,12 @@ Packages (each may import only those listed before it):
     v1/       vLLM V1 integration: FSConnector (KVConnectorBase_V1), KV layouts, transfer
               decisions; may import v0.kv_layout (V1 reuses the flash adapter)
     logs.py   loggers named under "vllm.kvctl." (any package)
+    log_lines.py  the log lines operators grep: templates the connectors log and the
+              patterns kvctl reads them back with (standard library only; any package)
     plugin.py the vllm.general_plugins entry point; registers the connectors of the
               running engine (V0 on vLLM 0.9.x, V1 on vLLM >= 0.11) lazily
 
-kvctl imports `store` and `config` only (its rig-side benchmark `kvctl.bench.layout`
+kvctl imports `store`, `config` and `log_lines` only (its rig-side benchmark `kvctl.bench.layout`
 also runs `v0.kv_layout`); `v0`/`v1` are loaded by vLLM through the plugin.
 `connectors` never imports `kvctl`.
 """

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import time
 
+from connectors import log_lines
+
 
 def get_logger(module_name: str) -> logging.Logger:
     return logging.getLogger(f"vllm.kvctl.{module_name.rsplit('.', 1)[-1]}")
@@ -31,8 +33,7 @@ class SendFailureLog:
         now = time.monotonic()
         if kind != self.last[0] or now - self.last[1] > FAILURE_LOG_INTERVAL_S:
             suppressed = self.suppressed
-            self.logger.error("[rank%d]: KV send FAILED for key=%s: %s (serving continues; nothing "
-                              "published)%s", rank, key, error,
+            self.logger.error(log_lines.KV_SEND_FAILED, rank, key, error,
                               f"; {suppressed} similar failures not logged" if suppressed else "")
             self.last, self.suppressed = (kind, now), 0
         else:

@@ -8,22 +8,24 @@ from pathlib import Path
 
 import pytest
 
+from connectors import log_lines
 from kvctl.bench import serve
 from kvctl.cluster.state import ClusterState, InstanceRecord, save_cluster
 from kvctl.errors import BadInput
 
-V0_DECODE_LOG = """\
-INFO 12-01 [logger.py:43] Received request cmpl-a-0: prompt: 'x', params: ...
-INFO 12-01 [logger.py:43] Received request cmpl-b-0: prompt: 'y', params: ...
-INFO 12-01 [fs_connector.py:231] [rank0]: Successfully received all KVs and hidden states, skip model forwarding. keys=aa,bb tokens=64 bytes=10 ms=1.0
-INFO 12-01 [logger.py:43] Received request cmpl-c-0: prompt: 'z', params: ...
-INFO 12-01 [fs_connector.py:251] [rank0]: Failed to receive all KVs and hidden states, redo model forwarding. reason=no entry cc
-"""
-V1_DECODE_LOG = """\
-INFO [rank0]: KV load DONE. req=a key=aa prompt_tokens=64 loaded=64 computed=0 prefix_cached=0 bytes=1 ms=1.0
-INFO [rank0]: KV load NONE. req=b key=bb prompt_tokens=64 loaded=0 computed=64 prefix_cached=0 reason=no entry
-INFO [rank0]: KV load DONE. req=c key=cc prompt_tokens=64 loaded=48 computed=16 prefix_cached=0 bytes=1 ms=1.0
-"""
+_RECEIVED = "INFO 12-01 [logger.py:43] Received request %s: prompt: 'x', params: ..."
+V0_DECODE_LOG = "\n".join([
+    _RECEIVED % "cmpl-a-0",
+    _RECEIVED % "cmpl-b-0",
+    "INFO 12-01 [fs_connector.py:231] " + log_lines.SKIP_FORWARD % (0, "aa,bb", 64, 10, 1.0, 0.5, 0.5),
+    _RECEIVED % "cmpl-c-0",
+    "INFO 12-01 [fs_connector.py:251] " + log_lines.REDO_FORWARD % (0, "no entry cc"),
+]) + "\n"
+V1_DECODE_LOG = "\n".join("INFO " + line for line in [
+    log_lines.KV_LOAD_DONE % (0, "a", "aa", 64, 64, 0, 0, 1, 1.0),
+    log_lines.KV_LOAD_NONE % (0, "b", "bb", 64, 64, 0, "no entry"),
+    log_lines.KV_LOAD_DONE % (0, "c", "cc", 64, 48, 16, 0, 1, 1.0),
+]) + "\n"
 
 
 def test_store_fraction_v0_counts_keys_over_received_requests():

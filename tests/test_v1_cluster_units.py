@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from connectors import log_lines
 from connectors.config.validate import check_kv_transfer_config, required_engine
 from kvctl.cluster.spec import build_1p1d_spec, launch_warnings
 from kvctl.errors import BadInput
@@ -18,10 +19,9 @@ from kvctl.views.output import Output
 from kvctl.verify import markers
 from kvctl.verify.checks import check_decode_skipped_forward
 
-DONE = ("INFO 05-01 12:00:00 [fs_connector.py:1] [rank0]: KV load DONE. req=cmpl-1 key=abc prompt_tokens=40 "
-        "loaded=32 computed=1 prefix_cached=7 bytes=100 ms=1.5")
-NONE = ("[rank0]: KV load NONE. req=cmpl-2 key=def prompt_tokens=40 loaded=0 computed=40 prefix_cached=0 "
-        "reason=no entry for key def")
+DONE = "INFO 05-01 12:00:00 [fs_connector.py:1] " + log_lines.KV_LOAD_DONE % (
+    0, "cmpl-1", "abc", 40, 32, 1, 7, 100, 1.5)
+NONE = log_lines.KV_LOAD_NONE % (0, "cmpl-2", "def", 40, 40, 0, "no entry for key def")
 
 
 def _ispec(engine: str, block_size: int | None) -> InstanceSpec:

@@ -48,38 +48,6 @@ START_TIMEOUT_S = 300.0
 MODEL_NAME = "tiny"
 
 
-def _fields(line: str) -> dict[str, str]:
-    return dict(part.split("=", 1) for part in line.split() if "=" in part)
-
-
-@dataclass
-class Load:
-    """One `KV load DONE/NONE/FAILED.` line of D."""
-
-    outcome: str  # DONE, NONE or FAILED
-    key: str
-    prompt_tokens: int
-    loaded: int
-    computed: int
-    prefix_cached: int
-    reason: str
-    line: str
-
-
-def load_lines(text: str) -> list[Load]:
-    found = []
-    for line in text.splitlines():
-        for outcome in ("DONE", "NONE", "FAILED"):
-            marker = f"KV load {outcome}."
-            if marker in line:
-                rest = line.split(marker, 1)[1]
-                f = _fields(rest.split(" reason=", 1)[0])
-                found.append(Load(outcome, f["key"], int(f["prompt_tokens"]), int(f["loaded"]),
-                                  int(f["computed"]), int(f["prefix_cached"]),
-                                  rest.split(" reason=", 1)[1].strip() if " reason=" in rest else "", line))
-    return found
-
-
 @dataclass
 class Server:
     name: str
@@ -280,8 +248,8 @@ class Cluster:
         assert lines, f"{server.name} logged no KV send DONE for {len(tokens)} tokens:\n{server.log()[-3000:]}"
         return lines[-1].key
 
-    def load_for(self, key: str) -> Load:
-        lines = self.d.wait_for(lambda t: [x for x in load_lines(t) if x.key == key])
+    def load_for(self, key: str) -> markers.KVLoadLine:
+        lines = self.d.wait_for(lambda t: [x for x in markers.kv_loads(t) if x.key == key])
         assert lines, f"D logged no KV load line for {key}:\n{self.d.log()[-3000:]}"
         return lines[-1]
 
@@ -370,7 +338,7 @@ class TestChunkedP32ToD64:
         decoded = c.chat(c.d, prompt)
         with c.d.client() as cl:
             tokens = cl.tokenize_chat(user_messages(prompt))
-        line = c.d.wait_for(lambda t: [x for x in load_lines(t) if x.prompt_tokens == len(tokens)
+        line = c.d.wait_for(lambda t: [x for x in markers.kv_loads(t) if x.prompt_tokens == len(tokens)
                                        and x.outcome == "NONE" and x.reason == "miss"])
         assert line and line[-1].computed == len(tokens), c.d.log()[-2000:]
         assert decoded == c.chat(c.p, prompt)

@@ -26,6 +26,7 @@ from connectors.store.format import (
     entry_path,
     write_entry,
 )
+from connectors import log_lines
 from kvctl.verify import markers
 from kvctl.cli import main
 from kvctl.client import ChatResult
@@ -75,17 +76,20 @@ def put_entry(store: Path, tokens: list[int], identity: KVIdentity = IDENT) -> s
 
 
 def send_line(key: str, tokens: int) -> str:
-    return f"DEBUG 06-11 10:00:01 [fs_connector.py:120] [rank0]: KV send DONE. key={key} tokens={tokens} bytes=1024 ms=0.5"
+    return "DEBUG 06-11 10:00:01 [fs_connector.py:120] " + log_lines.KV_SEND % (0, key, tokens, 1024, 0.5, 0.1)
 
 
 def skip_line(*keys: str) -> str:
-    return (f"DEBUG 06-11 10:00:02 [fs_connector.py:210] [rank0]: Successfully received all KVs and hidden "
-            f"states, skip model forwarding. keys={','.join(keys)} tokens=12 bytes=1024 ms=0.3")
+    return "DEBUG 06-11 10:00:02 [fs_connector.py:210] " + log_lines.SKIP_FORWARD % (
+        0, ",".join(keys), 12, 1024, 0.3, 0.2, 0.1)
 
 
 def redo_line(key: str, why: str = "miss") -> str:
-    return (f"DEBUG 06-11 10:00:02 [fs_connector.py:220] [rank0]: Failed to receive all KVs and hidden "
-            f"states, redo model forwarding. reason=key {key}: {why}")
+    return "DEBUG 06-11 10:00:02 [fs_connector.py:220] " + log_lines.REDO_FORWARD % (0, f"key {key}: {why}")
+
+
+def child_sent_line(name: str, child: int, ms: float) -> str:
+    return "INFO " + log_lines.CHILD_SENT % (name, child, ms)
 
 
 def chat(ids: list[int], text: str | None = None) -> ChatResult:
@@ -135,17 +139,17 @@ def test_kv_send_logged_requires_each_child_line(tmp_path):
     key = put_entry(tmp_path, tokens)
     children = expected_send_children(SEED_P_CONFIG)
     assert children == [(0, "FSConnector"), (1, "LMCacheConnector")]
-    ok = "\n".join([send_line(key, 3), "INFO sent to connector FSConnector (child 0, 1.0 ms)",
-                    "INFO sent to connector LMCacheConnector (child 1, 2.0 ms)"])
+    ok = "\n".join([send_line(key, 3), child_sent_line("FSConnector", 0, 1.0),
+                    child_sent_line("LMCacheConnector", 1, 2.0)])
     match = match_request_key(markers.kv_sends(ok), tokens, tmp_path)
     check = check_kv_send_logged(match, ok, 3, children)
     assert check.passed and "LMCacheConnector" in check.evidence
 
-    missing = "\n".join([send_line(key, 3), "INFO sent to connector FSConnector (child 0, 1.0 ms)"])
+    missing = "\n".join([send_line(key, 3), child_sent_line("FSConnector", 0, 1.0)])
     check = check_kv_send_logged(match, missing, 3, children)
     assert not check.passed and "sent to connector LMCacheConnector" in check.evidence
 
-    failed = missing + "\nERROR child 1 LMCacheConnector failed in send_kv_caches_and_hidden_states: boom"
+    failed = missing + "\nERROR " + log_lines.CHILD_SEND_FAILED % (0, 1, "LMCacheConnector", "boom")
     check = check_kv_send_logged(match, failed, 3, children)
     assert not check.passed and "boom" in check.evidence
 

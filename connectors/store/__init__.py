@@ -9,5 +9,5 @@
                  cached xxh3-128 content fingerprint (standard library + xxhash; kvctl may use it)
     fs_store.py  the torch side used by the connectors: save and load tensors (imports both)
 
-May import: nothing else in `connectors` (logs excepted). Must not import vLLM.
+May import: nothing else in `connectors` (logs and log_lines excepted). Must not import vLLM.
 """

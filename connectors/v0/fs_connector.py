@@ -52,6 +52,7 @@ from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.kv_layout import (CacheGeometry, GatherBuffers, KVLayout, LayerWriter, SharedGathers,
                                      UnsupportedLayout, layout_for_backend, select_layout)
 from connectors.served_model import served_model_identity, unkeyable_input_problems
+from connectors import log_lines
 from connectors.logs import SendFailureLog, get_logger
 from vllm.distributed.kv_transfer.kv_connector.base import KVConnectorBase
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -61,10 +62,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = get_logger(__name__)
-
-SKIP_LINE = "[rank%d]: Successfully received all KVs and hidden states, skip model forwarding."
-REDO_LINE = "[rank%d]: Failed to receive all KVs and hidden states, redo model forwarding."
-SEND_LINE = "[rank%d]: KV send DONE."
 
 
 class FSConnector(KVConnectorBase):
@@ -166,8 +163,7 @@ class FSConnector(KVConnectorBase):
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
             if self.store.has_entry(key):
-                logger.info(SEND_LINE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)",
-                            self.rank, key, len(tokens))
+                logger.info(log_lines.KV_SEND_STORED, self.rank, key, len(tokens))
                 continue
             if hidden.shape[0] < span.end:
                 logger.warning("[rank%d]: KV not sent for key=%s: %d hidden rows for a step of "
@@ -182,9 +178,8 @@ class FSConnector(KVConnectorBase):
             except (OSError, fmt.StoreError) as e:
                 self._send_failures.report(self.rank, key, e)
                 continue
-            logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f", self.rank,
-                        result.key, len(tokens), result.num_bytes, result.seconds * 1e3,
-                        gather_s * 1e3)
+            logger.info(log_lines.KV_SEND, self.rank, result.key, len(tokens), result.num_bytes,
+                        result.seconds * 1e3, gather_s * 1e3)
 
 
     def _gather(self, layout: KVLayout, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
@@ -248,8 +243,7 @@ class FSConnector(KVConnectorBase):
         for span, entry in loaded:
             hidden[span.end - 1] = entry.hidden[-1]
         keys = ",".join(entry.key for _, entry in loaded)
-        logger.info(SKIP_LINE + " keys=%s tokens=%d bytes=%d ms=%.1f load_ms=%.1f scatter_ms=%.1f",
-                    self.rank, keys, last, sum(e.num_bytes for _, e in loaded),
+        logger.info(log_lines.SKIP_FORWARD, self.rank, keys, last, sum(e.num_bytes for _, e in loaded),
                     (time.perf_counter() - start) * 1e3, load_s * 1e3, scatter_s * 1e3)
         return hidden, True, model_input
 
@@ -268,7 +262,7 @@ class FSConnector(KVConnectorBase):
             pass
 
     def _redo(self, model_input, reason: str):
-        logger.info(REDO_LINE + " reason=%s", self.rank, reason)
+        logger.info(log_lines.REDO_FORWARD, self.rank, reason)
         return None, False, model_input
 
     def close(self) -> None:

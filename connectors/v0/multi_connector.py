@@ -42,6 +42,7 @@ from connectors.config import topology
 from connectors.config.validate import ConfigError, validate_kv_transfer_config
 from connectors.v0.batch import split_prefills
 from connectors.v0.kv_layout import SharedGathers
+from connectors import log_lines
 from connectors.logs import get_logger
 from connectors.registry import registered_connectors
 from vllm.config import KVTransferConfig
@@ -123,12 +124,11 @@ class MultiConnectorV0(KVConnectorBase):
                 hidden, bypass, new_input = child.connector.recv_kv_caches_and_hidden_states(
                     model_executable, model_input, kv_caches)
             except Exception as e:
-                logger.error("[rank%d]: %s failed in recv_kv_caches_and_hidden_states: %s",
-                             self.rank, child.label, _summary(e))
+                logger.error(log_lines.CHILD_RECV_FAILED, self.rank, child.index, child.name, _summary(e))
                 continue
             if bypass or new_input is not model_input:
-                logger.info("[rank%d]: received from connector %s (%s, %s)", self.rank,
-                            child.name, child.label, "skip forward" if bypass else "rebuilt input")
+                logger.info(log_lines.CHILD_RECEIVED, self.rank, child.name, child.index, child.name,
+                            "skip forward" if bypass else "rebuilt input")
                 return hidden, bypass, new_input
         return None, False, model_input
 
@@ -169,10 +169,9 @@ class MultiConnectorV0(KVConnectorBase):
                 child.connector.send_kv_caches_and_hidden_states(
                     model_executable, child_input, kv_caches, child_hidden)
             except Exception as e:
-                logger.error("[rank%d]: %s failed in send_kv_caches_and_hidden_states: %s",
-                             self.rank, child.label, _summary(e))
+                logger.error(log_lines.CHILD_SEND_FAILED, self.rank, child.index, child.name, _summary(e))
                 continue
-            logger.info("sent to connector %s (child %d, %.1f ms)", child.name, child.index,
+            logger.info(log_lines.CHILD_SENT, child.name, child.index,
                         (time.perf_counter() - start) * 1e3)
 
     def close(self) -> None:

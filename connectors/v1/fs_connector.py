@@ -37,12 +37,9 @@ Worker side (one instance per worker):
   completed prompt and publishes it (atomic; nothing for a prompt already
   stored).
 
-Log lines (INFO, "vllm.kvctl.fs_connector"; operators grep the substrings):
-
-    P  [rank0]: KV send DONE. key=<hex> tokens=<T> bytes=<n> ms=<f> gather_ms=<f>
-    D  [rank0]: KV load DONE. req=<id> key=<hex> prompt_tokens=<T> loaded=<n> computed=<c> prefix_cached=<p> bytes=<n> ms=<f>
-    D  [rank0]: KV load NONE. req=<id> key=<hex> prompt_tokens=<T> loaded=0 computed=<c> prefix_cached=<p> reason=<why>
-    D  [rank0]: KV load FAILED. req=<id> key=<hex> ... reason=<why>
+Log lines (INFO, "vllm.kvctl.fs_connector"; operators grep the substrings; their
+text is connectors.log_lines): P logs `KV send DONE.` per stored prompt, D one of
+`KV load DONE.`, `KV load NONE.` or `KV load FAILED.` per request.
 
 ``prompt_tokens = prefix_cached + loaded + computed``; ``key`` is the entry
 this rank loaded (or would have).
@@ -66,6 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
+from connectors import log_lines
 from connectors.logs import SendFailureLog, get_logger
 from connectors.store import format as fmt
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
@@ -91,11 +89,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = get_logger(__name__)
-
-SEND_LINE = "[rank%d]: KV send DONE."
-LOAD_LINE = "[rank%d]: KV load DONE."
-NO_LOAD_LINE = "[rank%d]: KV load NONE."
-LOAD_FAILED_LINE = "[rank%d]: KV load FAILED."
 
 
 @dataclass
@@ -298,8 +291,7 @@ class FSConnector(KVConnectorBase_V1):
         for skip in plan.skips:
             key = fmt.compute_key(self._rank_identity(skip.kv_only), skip.token_ids)
             total = len(skip.token_ids)
-            logger.info(NO_LOAD_LINE + " req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
-                        "prefix_cached=%d reason=%s", self.tp_rank, skip.req_id, key, total,
+            logger.info(log_lines.KV_LOAD_NONE, self.tp_rank, skip.req_id, key, total,
                         total - skip.prefix_cached, skip.prefix_cached, skip.reason)
         for load in plan.loads:
             self._load(load, plan.block_size)
@@ -327,13 +319,10 @@ class FSConnector(KVConnectorBase_V1):
                 _remove_corrupt(self.store, e)
             why = "miss (entry gone since the scheduler checked it)" if isinstance(e, FileNotFoundError) else (
                 f"token mismatch: {e}" if isinstance(e, TokenMismatch) else f"{type(e).__name__}: {e}")
-            logger.error(LOAD_FAILED_LINE + " req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
-                         "prefix_cached=%d reason=%s; %d blocks reported to vLLM as failed "
-                         "(kv_load_failure_policy decides)", self.tp_rank, load.req_id, key, total,
+            logger.error(log_lines.KV_LOAD_FAILED, self.tp_rank, load.req_id, key, total,
                          total - load.start, load.start, why, len(failed))
             return
-        logger.info(LOAD_LINE + " req=%s key=%s prompt_tokens=%d loaded=%d computed=%d prefix_cached=%d "
-                    "bytes=%d ms=%.1f", self.tp_rank, load.req_id, key, total, count,
+        logger.info(log_lines.KV_LOAD_DONE, self.tp_rank, load.req_id, key, total, count,
                     total - load.start - count, load.start, entry.num_bytes,
                     (time.perf_counter() - start_t) * 1e3)
 
@@ -357,8 +346,7 @@ class FSConnector(KVConnectorBase_V1):
         tokens = save.token_ids
         key = fmt.compute_key(identity, tokens)
         if self.store.has_entry(key):
-            logger.info(SEND_LINE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)", self.tp_rank,
-                        key, len(tokens))
+            logger.info(log_lines.KV_SEND_STORED, self.tp_rank, key, len(tokens))
             return
         try:
             start = time.perf_counter()
@@ -372,8 +360,7 @@ class FSConnector(KVConnectorBase_V1):
         except (OSError, fmt.StoreError, ValueError) as e:
             self._send_failures.report(self.tp_rank, key, e)
             return
-        logger.info(SEND_LINE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f", self.tp_rank,
-                    result.key, len(tokens), result.num_bytes, result.seconds * 1e3, gather_s * 1e3)
+        logger.info(log_lines.KV_SEND, self.tp_rank, result.key, len(tokens), result.num_bytes, result.seconds * 1e3, gather_s * 1e3)
 
 
     def get_block_ids_with_load_errors(self) -> set[int]:

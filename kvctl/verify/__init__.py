@@ -1,6 +1,6 @@
 """Proof that KV travelled and the answer is right: checks, the one driver, reports.
 
-    markers.py       the log lines operators grep for, parsed into events (pure)
+    markers.py       the log lines operators grep for (connectors.log_lines), parsed into events (pure)
     checks.py        the four checks per request and their evidence (log text, store files, outputs);
                      `not_observable` for a check whose evidence is out of reach
     report.py        RequestReport and VerifyReport: `kvctl verify --json`'s contract, and
@@ -20,6 +20,6 @@
     junit.py         JUnit XML from verify reports
 
 May import: `kvctl.client`, `kvctl.cluster` (state only), `kvctl.errors`, `kvctl.paths`,
-`connectors.store`, `connectors.config`. Never a command, a view or another front end.
+`connectors.store`, `connectors.config`, `connectors.log_lines`. Never a command, a view or another front end.
 Library code: nothing here prints; errors name fields (`max_tokens`), never CLI flags.
 """
