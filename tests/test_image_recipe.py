@@ -2,7 +2,7 @@
 
 docker/Dockerfile.rig runs docker/rig-install.py with the base image's system
 python, which has nothing but the standard library, on the recipe files
-images.RECIPE_FILES puts under build/kvctl/. These tests read the recipe's
+images.RECIPE_FILES puts under build/. These tests read the recipe's
 import closure from the source and check both halves: that it needs only the
 standard library, and that the build context carries every file of it. Then
 the split: the rig image's tag moves with the pins, not with kvctl's code; the
@@ -33,7 +33,7 @@ def _module_file(module: str) -> Path | None:
 
 
 def recipe_files() -> set[str]:
-    """Paths (relative to the checkout) of every kvctl file importing the recipe loads."""
+    """Paths (relative to the checkout) of every kvctl or connectors file importing the recipe loads."""
     found: set[str] = set()
     todo = [RECIPE]
     while todo:
@@ -54,7 +54,7 @@ def recipe_files() -> set[str]:
                     names = [a.name for a in node.names]
                 else:
                     continue
-                todo += [n for n in names if n.split(".")[0] == "kvctl" and _module_file(n)]
+                todo += [n for n in names if n.split(".")[0] in ("kvctl", "connectors") and _module_file(n)]
     return found
 
 

@@ -61,13 +61,14 @@ import logging
 import os
 import re
 import stat as stat_mod
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Mapping
 
 import xxhash
+
+from connectors.store.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -234,15 +235,7 @@ class _Cache:
                          for n, (st, d) in sorted(digests.items())}}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-            try:
-                with os.fdopen(fd, "w") as f:
-                    json.dump(doc, f, separators=(",", ":"))
-                os.replace(tmp, self.path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-                raise
+            write_atomic(self.path, json.dumps(doc, separators=(",", ":")), mode=0o600)
         except OSError as e:
             self.problem = f"cannot write {self.path}: {e.strerror or e}"
 

@@ -47,6 +47,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from connectors.store.atomic import write_atomic
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
 
@@ -204,14 +205,7 @@ def save_cluster(state: ClusterState) -> Path:
     """Write cluster.json atomically (temp file + rename): readers never see half a file."""
     path = cluster_dir(state.name) / STATE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(state.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, json.dumps(state.to_json(), indent=2) + "\n")
 
 
 def remove_state(name: str) -> None:
@@ -240,17 +234,7 @@ def save_api_key(name: str, key: str) -> Path:
     readable by others, even for a moment), atomically (temp file + rename)."""
     path = cluster_dir(name) / API_KEY_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{API_KEY_FILE}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, key + "\n", mode=0o600)
 
 
 def load_api_key(name: str) -> str | None:

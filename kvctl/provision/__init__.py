@@ -11,11 +11,13 @@
     tiny_model.py  the random-weight Llama and offline tokenizer
 
 Commands run through `kvctl.subprocesses.run_streamed` (one runner, one tail).
-rig.py, overlay.py and elf_patch.py use the standard library only:
+rig.py, overlay.py and elf_patch.py use the standard library only (and
+connectors.store.atomic, the one atomic file writer, which does too):
 docker/rig-install.py runs rig.py in an image build's bare python (images.RECIPE_FILES
 lists what it copies, with kvctl/__init__.py, errors.py, paths.py and subprocesses.py).
 
-May import: `kvctl.errors`, `kvctl.paths`, `kvctl.subprocesses`, and (images.py)
+May import: `kvctl.errors`, `kvctl.paths`, `kvctl.subprocesses`, `connectors.store` (atomic
+writes; `overlay.py` nothing else of connectors), and (images.py)
 `kvctl.runtime.docker_engine` for the engine connection. Never a runtime, the
 cluster, a command or a view.
 """

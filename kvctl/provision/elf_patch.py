@@ -13,6 +13,8 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+from connectors.store.atomic import write_atomic
+
 SHT_GNU_VERNEED = 0x6FFFFFFE
 VER_FLG_WEAK = 0x2
 
@@ -80,8 +82,5 @@ def make_version_weak(path: Path | str, version: str) -> bool:
             struct.pack_into("<H", data, flags_off, flags | VER_FLG_WEAK)
             changed = True
     if changed:
-        tmp = path.with_name(path.name + ".kvctl-tmp")
-        tmp.write_bytes(data)
-        tmp.chmod(path.stat().st_mode)
-        tmp.replace(path)
+        write_atomic(path, bytes(data), mode=path.stat().st_mode & 0o7777)
     return changed

@@ -67,8 +67,9 @@ GPU_DOCKERFILES = {"v0": "Dockerfile.gpu", "v1": "Dockerfile.gpu-v1"}
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libgomp1", "procps")
 # The rig recipe: kvctl/provision/rig.py and every kvctl module it imports (standard
 # library only), copied to build/ for docker/rig-install.py. Paths in the kvctl package.
-RECIPE_FILES = ("__init__.py", "errors.py", "paths.py", "subprocesses.py",
-                "provision/__init__.py", "provision/rig.py", "provision/elf_patch.py")
+RECIPE_FILES = ("kvctl/__init__.py", "kvctl/errors.py", "kvctl/paths.py", "kvctl/subprocesses.py",
+                "kvctl/provision/__init__.py", "kvctl/provision/rig.py", "kvctl/provision/elf_patch.py",
+                "connectors/__init__.py", "connectors/store/__init__.py", "connectors/store/atomic.py")
 KVCTL_DIR = Path(__file__).resolve().parent.parent  # the installed kvctl package
 DOCKERFILES = Path(__file__).resolve().parent / "dockerfiles"  # docker/ in a checkout
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
@@ -141,8 +142,8 @@ def _files_digest(files: tuple[tuple[str, bytes], ...]) -> list[list[str]]:
 
 
 def recipe_files() -> list[tuple[str, bytes]]:
-    """The rig recipe's code for build/kvctl/, read from the installed kvctl package."""
-    return [(f"build/kvctl/{rel}", (KVCTL_DIR / rel).read_bytes()) for rel in RECIPE_FILES]
+    """The rig recipe's code for build/ (kvctl/..., connectors/...), read from the installed packages."""
+    return [(f"build/{rel}", (KVCTL_DIR.parent / rel).read_bytes()) for rel in RECIPE_FILES]
 
 
 def overlay_files(plan: OverlayPlan) -> list[tuple[str, bytes]]:

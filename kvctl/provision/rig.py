@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
+from connectors.store.atomic import write_atomic
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.provision.elf_patch import ElfPatchError, make_version_weak
@@ -357,11 +358,9 @@ class Rig:
     def write_marker(self, step: str, key: str, seconds: float, note: str) -> None:
         self.steps_dir.mkdir(parents=True, exist_ok=True)
         target = self.steps_dir / f"{step}.json"
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({
+        write_atomic(target, json.dumps({  # a marker is there whole or not at all
             "key": key, "seconds": round(seconds, 3), "note": note,
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
-        tmp.replace(target)  # atomic: a marker is there whole or not at all
 
     def drop_markers_from(self, index: int) -> None:
         for s in STEPS[index:]:
@@ -803,18 +802,12 @@ def layered_venv(dest: Path, spec: RigSpec | None = None) -> LayeredVenv:
                                  details=done.details)
         action = "created"
     site = dest / "lib" / f"python{info['version']}" / "site-packages"
-    _write_atomic(site / LAYER_PTH, f"import site; site.addsitedir({info['purelib']!r})\n")
-    _write_atomic(dest / LAYER_CONSTRAINTS, constraints)
+    write_atomic(site / LAYER_PTH, f"import site; site.addsitedir({info['purelib']!r})\n")
+    write_atomic(dest / LAYER_CONSTRAINTS, constraints)
     # pip reads <venv>/pip.conf after the global and user files (PIP_CONSTRAINT still wins).
-    _write_atomic(dest / "pip.conf", f"[global]\nconstraint = {dest / LAYER_CONSTRAINTS}\n")
-    _write_atomic(record, json.dumps(want, indent=1) + "\n")
+    write_atomic(dest / "pip.conf", f"[global]\nconstraint = {dest / LAYER_CONSTRAINTS}\n")
+    write_atomic(record, json.dumps(want, indent=1) + "\n")
     return LayeredVenv(dest, python, base, info["purelib"], action)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def _disk_usage(root: Path) -> int:
