@@ -56,6 +56,8 @@ For both:
   FSConnector's store directory; None when it has none).
 - `transfer_connector` names whatever carries KV on a side when no
   FSConnector does (a third-party connector: kvctl cannot read its evidence).
+- `handshake_connector` says whether P's answer carries `kv_transfer_params` D
+  needs (NIXL): then the router asks P for them and hands them to D.
 """
 
 from __future__ import annotations
@@ -76,6 +78,12 @@ MULTI_ENGINES = {MULTI_CONNECTOR: "v0", V1_MULTI_CONNECTOR: "v1"}
 ROLE_BLIND_V1 = ("ExampleConnector", "SharedStorageConnector")
 # Extra-config keys naming a directory a connector writes: ours, and ExampleConnector's.
 STORAGE_PATH_KEYS = ("fs_storage_path", "shared_storage_path")
+
+# V1 connectors whose prefill answers with `kv_transfer_params` that D must be given
+# (vLLM's P/D proxy protocol: P is asked with `do_remote_decode`, D gets the params P
+# answered with and pulls the KV from P). A router in front of such a cluster must
+# relay them (kvctl.router's handshake); a file-based transfer needs nothing.
+HANDSHAKE_CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
 
 Direction = Literal["send", "recv"]
 
@@ -204,6 +212,21 @@ def transfer_connector(cfg: object, direction: Direction) -> str | None:
     if not acting_children or any(c.is_fs for c in acting_children):
         return None  # nothing acts, or FS children (an ambiguous transfer child is the validator's)
     return acting_children[0].connector
+
+
+def connector_names(cfg: object) -> list[str]:
+    """Every connector a config runs: its own kv_connector, then each multi connector
+    child's, in config order (names that are not strings are skipped)."""
+    if not isinstance(cfg, Mapping):
+        return []
+    found = [cfg["kv_connector"]] if isinstance(cfg.get("kv_connector"), str) else []
+    return found + [c.connector for c in children(cfg) if c.connector is not None]
+
+
+def handshake_connector(cfg: object) -> str | None:
+    """The connector of a prefill config that needs the router's kv_transfer_params
+    handshake (HANDSHAKE_CONNECTORS: itself, or a multi connector's child), else None."""
+    return next((n for n in connector_names(cfg) if n in HANDSHAKE_CONNECTORS), None)
 
 
 def fs_storage_paths(cfg: object) -> list[str]:

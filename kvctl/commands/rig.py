@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from kvctl.options import JSON_OPT
-from kvctl.provision import overlay, rig
+from kvctl.provision import extras, overlay, rig
 from kvctl.views.output import Output
 from kvctl.views.rig import InstallReporter, render_installed, render_layered_venv, render_rig_status
 
@@ -19,7 +19,10 @@ rig_app = typer.Typer(
          "CPU on torch 2.13.0. Each kvctl brings its own connectors to the servers through "
          "an overlay ($KVCTL_HOME/overlays) on their PYTHONPATH. Env: KVCTL_RIG_PYTHON (v0), "
          "KVCTL_RIG_V1_PYTHON (v1) use a pre-built rig's interpreter; KVCTL_RIG_SPEC names a JSON "
-         "file of pin overrides for the engine it names (default v0).",
+         "file of pin overrides for the engine it names (default v0). Extras (--extra): what a "
+         "third-party connector needs beside the rig (nixl: NIXL + UCX for NixlConnector), each in "
+         "a venv layered on the rig under $KVCTL_HOME/extras, put on the PYTHONPATH of the servers "
+         "whose config names that connector.",
     no_args_is_help=True,
 )
 
@@ -28,18 +31,28 @@ ENGINE_OPT = typer.Option(
                            "vLLM 0.9.2, V0 connectors; v1: vLLM 0.32.0).")
 
 
+EXTRA_OPT = typer.Option(
+    [], "--extra", metavar="NAME",
+    help=f"Also install this extra on the rig (repeatable): {', '.join(f'{e.name} ({e.summary}, engine {e.engine})' for e in extras.EXTRAS.values())}.")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(rig_app, name="rig")
 
 
 @rig_app.command("install")
-def install(engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
-    """Build the rig, or finish it: steps already done are skipped (a complete rig: instant)."""
+def install(engine: str | None = ENGINE_OPT, extra: list[str] = EXTRA_OPT,
+            json_out: bool = JSON_OPT) -> None:
+    """Build the rig, or finish it: steps already done are skipped (a complete rig: instant).
+    Then each --extra on it, the same way."""
     out = Output(json_mode=json_out)
     spec = rig.default_spec(engine)
+    wanted = [extras.get_extra(name) for name in dict.fromkeys(extra)]
+    extras.check_engines(wanted, spec)
     with InstallReporter(out.stderr) as reporter:
         info = rig.install(progress=reporter, spec=spec)
-    render_installed(out, info)
+        done = [extras.install_extra(e, spec, progress=reporter) for e in wanted]
+    render_installed(out, info, done)
 
 
 @rig_app.command("python")
@@ -54,9 +67,11 @@ def python(engine: str | None = ENGINE_OPT) -> None:
 
 @rig_app.command("status")
 def status(engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
-    """Show the rig (steps, size, inputs) and the overlay this kvctl would use."""
+    """Show the rig (steps, size, inputs), its engine's extras and the overlay this kvctl would use."""
     out = Output(json_mode=json_out)
-    render_rig_status(out, rig.rig_status(rig.default_spec(engine)) | {
+    spec = rig.default_spec(engine)
+    render_rig_status(out, rig.rig_status(spec) | {
+        "extras": [extras.extra_status(e, spec) for e in extras.extras_for_engine(spec.engine)],
         "overlay": overlay.overlay_status()})
 
 

@@ -231,9 +231,10 @@ def _prune(root: Path) -> None:
             continue  # a concurrent prune, or no last-used yet: leave it
 
 
-def pythonpath(overlay: Overlay, existing: str | None) -> str:
-    """PYTHONPATH with the overlay first, then whatever was there."""
-    return os.pathsep.join(p for p in (str(overlay.site), existing) if p)
+def pythonpath(overlay: Overlay, existing: str | None, extras: tuple[Path, ...] | list[Path] = ()) -> str:
+    """PYTHONPATH with the overlay first, then the site-packages of the server's extras
+    (kvctl.provision.extras), then whatever was there."""
+    return os.pathsep.join(p for p in (str(overlay.site), *map(str, extras), existing) if p)
 
 
 def overlay_status(home: Path | None = None) -> dict:

@@ -323,16 +323,37 @@ class Rig:
     """A rig's directory and markers for one spec; nothing here runs pip."""
 
     def __init__(self, spec: RigSpec, home: Path | None = None):
-        self.spec = spec
-        self.dir = ((home or kvctl_home()) / "rigs" / f"{spec.name}-{spec.key()}").absolute()
+        self.spec = spec  # its pip_args and constraints go to every pip call
+        self._locate((home or kvctl_home()) / "rigs" / f"{spec.name}-{spec.key()}")
+
+    def _locate(self, path: Path) -> None:
+        self.dir = path.absolute()
         self.venv = self.dir / "venv"
         self.python = self.venv / "bin" / "python"
         self.log = self.dir / "install.log"
         self.steps_dir = self.dir / "steps"
 
+    @property
+    def steps(self) -> tuple["_Step", ...]:
+        """What building it takes, in order (an extra's venv has steps of its own)."""
+        return STEPS
+
+    def key(self) -> str:
+        """The hash of every input; it names the directory."""
+        return self.spec.key()
+
+    def what(self) -> str:
+        """What is built here, as error messages name it."""
+        return "rig"
+
+    def install_command(self) -> str:
+        """The command that builds (or finishes) it."""
+        engine = "" if self.spec.engine == DEFAULT_ENGINE else f" --engine {self.spec.engine}"
+        return f"kvctl rig install{engine}"
+
     def step_keys(self) -> dict[str, str]:
         """Each step's input key: the rig's own key (one set of inputs, one rig)."""
-        return {s.name: self.spec.key() for s in STEPS}
+        return {s.name: self.key() for s in self.steps}
 
     def marker(self, step: str) -> dict | None:
         try:
@@ -344,7 +365,7 @@ class Rig:
         """Each step's state: done, stale (done for other inputs) or missing."""
         keys = self.step_keys()
         states = {}
-        for s in STEPS:
+        for s in self.steps:
             m = self.marker(s.name)
             states[s.name] = "missing" if m is None else (
                 "done" if m.get("key") == keys[s.name] else "stale")
@@ -363,7 +384,7 @@ class Rig:
             "finished": datetime.now(timezone.utc).isoformat(timespec="seconds")}))
 
     def drop_markers_from(self, index: int) -> None:
-        for s in STEPS[index:]:
+        for s in self.steps[index:]:
             (self.steps_dir / f"{s.name}.json").unlink(missing_ok=True)
 
     def site_packages(self) -> Path:
@@ -388,10 +409,11 @@ class _Install:
 
     def fail(self, what: str, details: str | None = None) -> RuntimeFailure:
         return RuntimeFailure(
-            f"rig install failed at step '{self.step.name}' ({self.step.title}): {what}",
+            f"{self.rig.what()} install failed at step '{self.step.name}' ({self.step.title}): {what}",
             where=f"{self.rig.dir} (full log: {self.rig.log})",
             fix="fix the cause (the output's tail is below; network, disk space or a pin), "
-                "then re-run `kvctl rig install`: finished steps are kept, this one runs again",
+                f"then re-run `{self.rig.install_command()}`: finished steps are kept, this one "
+                "runs again",
             details=details)
 
     def run(self, argv: list[str], env: dict | None = None, label: str = "") -> str:
@@ -623,22 +645,28 @@ def install(progress: Progress | None = None, spec: RigSpec | None = None) -> Ri
     Raises RuntimeFailure naming the failed step, with the command's output
     tail in `details`; BadInput for a bad $KVCTL_RIG_SPEC.
     """
-    emit = progress or (lambda event: None)
     spec = spec or default_spec()
     rig = Rig(spec)
     start = time.monotonic()
-    emit(StepEvent("log", note=str(rig.log)))
-    waited = 0.0
-    if rig.unfinished():
-        rig.dir.mkdir(parents=True, exist_ok=True)
-        with _install_lock(rig.dir / ".lock", lambda: emit(StepEvent(
-                "waiting", note="another `kvctl rig install` is building this rig"))) as waited:
-            results = _run_steps(rig, emit)
-    else:
-        results = _run_steps(rig, emit)  # all skipped: no lock, no pip
+    results, waited = build(rig, progress, "another `kvctl rig install` is building this rig")
     return RigInfo(path=rig.dir, python=rig.python, log=rig.log, steps=results,
                    total_s=time.monotonic() - start, waited_s=waited,
                    inputs=spec.base_inputs())
+
+
+def build(rig: Rig, progress: Progress | None, waiting: str) -> tuple[list[StepResult], float]:
+    """Run `rig`'s steps not done yet (under its lock; `waiting` is said while another
+    process holds it); returns each step's result and the seconds spent waiting.
+
+    Raises RuntimeFailure naming the failed step.
+    """
+    emit = progress or (lambda event: None)
+    emit(StepEvent("log", note=str(rig.log)))
+    if not rig.unfinished():
+        return _run_steps(rig, emit), 0.0  # all skipped: no lock, no pip
+    rig.dir.mkdir(parents=True, exist_ok=True)
+    with _install_lock(rig.dir / ".lock", lambda: emit(StepEvent("waiting", note=waiting))) as waited:
+        return _run_steps(rig, emit), waited
 
 
 def _run_steps(rig: Rig, emit: Progress) -> list[StepResult]:
@@ -647,8 +675,9 @@ def _run_steps(rig: Rig, emit: Progress) -> list[StepResult]:
     results: list[StepResult] = []
     ctx = _Install(rig, emit)
     rerun = False  # once a step runs, every later one runs too
-    for i, step in enumerate(STEPS):
-        ev = dict(step=step.name, title=step.title, index=i + 1, total=len(STEPS))
+    steps = rig.steps
+    for i, step in enumerate(steps):
+        ev = dict(step=step.name, title=step.title, index=i + 1, total=len(steps))
         if states[step.name] == "done" and not rerun:
             note = (rig.marker(step.name) or {}).get("note", "")
             results.append(StepResult(step.name, step.title, "already done", 0.0, note))
@@ -709,19 +738,25 @@ def rig_status(spec: RigSpec | None = None) -> dict:
     spec = spec or default_spec()
     rig = Rig(spec)
     states = rig.step_states()
-    steps = []
-    for s in STEPS:
-        m = rig.marker(s.name) or {}
-        steps.append({"name": s.name, "title": s.title, "state": states[s.name],
-                      "finished": m.get("finished"), "seconds": m.get("seconds"),
-                      "note": m.get("note")})
     return {"engine": spec.engine, "path": str(rig.dir), "key": spec.key(),
             "python": str(rig.python), "log": str(rig.log),
             "installed": all(v == "done" for v in states.values()),
             "python_override": os.environ.get(PYTHON_ENVS[spec.engine]),
-            "size_bytes": _disk_usage(rig.dir) if rig.dir.exists() else 0,
-            "steps": steps,
+            "size_bytes": disk_usage(rig.dir) if rig.dir.exists() else 0,
+            "steps": step_status(rig),
             "inputs": spec.base_inputs()}
+
+
+def step_status(rig: Rig) -> list[dict]:
+    """Each step of `rig`: name, title, state (done, stale, missing) and its marker's fields."""
+    states = rig.step_states()
+    steps = []
+    for s in rig.steps:
+        m = rig.marker(s.name) or {}
+        steps.append({"name": s.name, "title": s.title, "state": states[s.name],
+                      "finished": m.get("finished"), "seconds": m.get("seconds"),
+                      "note": m.get("note")})
+    return steps
 
 
 # ---- venvs layered on a rig -----------------------------------------------------------
@@ -810,7 +845,7 @@ def layered_venv(dest: Path, spec: RigSpec | None = None) -> LayeredVenv:
     return LayeredVenv(dest, python, base, info["purelib"], action)
 
 
-def _disk_usage(root: Path) -> int:
+def disk_usage(root: Path) -> int:
     # ~0.2 s for the 46k files of a full rig: cheap enough for `status`.
     total = 0
     for dirpath, _dirs, files in os.walk(root):

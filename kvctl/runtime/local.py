@@ -6,7 +6,8 @@ one cluster may mix them (a V0 prefill feeding a V1 decode through one store).
 
 The rig is read-only and holds no kvctl: the servers import our connectors
 (and find their vLLM plugin entry point) in this kvctl's overlay, put first on
-their PYTHONPATH (kvctl.provision.overlay). Clusters launched by two kvctl
+their PYTHONPATH (kvctl.provision.overlay), followed by the site-packages of
+the extras their connectors need (NIXL for NixlConnector: kvctl.provision.extras). Clusters launched by two kvctl
 installations (two checkouts, a wheel) run side by side, each with its own.
 
 Each server runs in its own session and process group (start_new_session), so
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.errors import BadInput, RuntimeFailure
+from kvctl.provision.extras import server_sites
 from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
 from kvctl.provision.rig import default_spec, rig_python
 from kvctl.runtime.base import (
@@ -188,8 +190,10 @@ class LocalRuntime:
         _ = self.overlay
 
     def check_instance(self, spec: InstanceSpec) -> None:
-        """Raises BadInput if the rig of `spec`'s engine is missing (before anything starts)."""
+        """Raises BadInput if the rig of `spec`'s engine, or an extra its connector needs, is
+        missing (before anything starts)."""
         self.python_for(spec.engine)
+        server_sites(spec.kv_transfer_config, spec.engine)
 
     def command(self, spec: InstanceSpec) -> list[str]:
         host = spec.host
@@ -202,7 +206,8 @@ class LocalRuntime:
         # A VLLM_API_KEY kvctl inherited is not this cluster's key (that comes with the spec):
         # a server requiring it would refuse kvctl's own requests.
         env = {**{k: v for k, v in os.environ.items() if k != API_KEY_ENV}, **vllm_server_env(spec)}
-        env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"))
+        env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"),
+                                       server_sites(spec.kv_transfer_config, spec.engine))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.cwd.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as logf:

@@ -13,7 +13,7 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.table import Table
 
 from kvctl.errors import BadInput
-from kvctl.provision import rig
+from kvctl.provision import extras, rig
 from kvctl.views.output import Output
 
 
@@ -86,15 +86,17 @@ class InstallReporter:
             self._print(f"{pos} {e.title}: {mark} in {e.seconds:.1f} s{note}")
 
 
-def render_installed(out: Output, info: rig.RigInfo) -> None:
-    """`kvctl rig install`: what ran (stderr) and the rig's python (stdout), or the JSON."""
+def render_installed(out: Output, info: rig.RigInfo, done: list[extras.ExtraInfo] = ()) -> None:
+    """`kvctl rig install`: what ran (stderr) and the rig's python (stdout), or the JSON
+    (with "extras": each extra installed, when --extra asked for some)."""
     if out.json_mode:
-        out.emit_json(info.to_json())
+        out.emit_json(info.to_json() | ({"extras": [e.to_json() for e in done]} if done else {}))
         return
-    ran = [s for s in info.steps if s.status == "ran"]
-    verb = f"built ({len(ran)} steps ran)" if ran else "already complete"
-    out.info(f"[bold green]rig {verb}[/bold green] in {info.total_s:.1f} s: "
-             f"{escape(str(info.path))}")
+    for what, built in (("rig", info), *((f"extra {e.name}", e) for e in done)):
+        ran = [s for s in built.steps if s.status == "ran"]
+        verb = f"built ({len(ran)} steps ran)" if ran else "already complete"
+        out.info(f"[bold green]{what} {verb}[/bold green] in {built.total_s:.1f} s: "
+                 f"{escape(str(built.path))}")
     out.stdout.print(str(info.python), highlight=False)
 
 
@@ -120,6 +122,18 @@ def render_rig_status(out: Output, st: dict) -> None:
     pins = [*inputs["torch"], *inputs["vllm"]]
     out.stdout.print(f"inputs: {' '.join(pins)}, {len(inputs['requirements'])} requirements, "
                      f"python {inputs['python']} (key {st['key']})", highlight=False)
+    for ex in st.get("extras", []):
+        if ex["installed"]:
+            verified = next((s["note"] for s in ex["steps"] if s["name"] == "verify"), "")
+            out.stdout.print(f"extra {ex['name']}: [green]installed[/green], {ex['size_bytes'] / 1e6:.0f} MB "
+                             f"({escape(ex['pins'])}; key {ex['key']}): {escape(ex['site'])}",
+                             highlight=False)
+            out.stdout.print(f"  verified: {escape(verified)}", highlight=False)
+        else:
+            todo = ", ".join(s["name"] for s in ex["steps"] if s["state"] != "done")
+            out.stdout.print(f"extra {ex['name']}: [yellow]not installed[/yellow] (steps not done: {todo}); "
+                             f"`{escape(ex['install'])}` installs {escape(ex['pins'])}", highlight=False)
+        out.stdout.print(f"  for {', '.join(ex['connectors'])} ({escape(ex['summary'])})", highlight=False)
     ov = st["overlay"]
     built = "[green]built[/green]" if ov["built"] else "[yellow]built at the next launch[/yellow]"
     out.stdout.print(f"overlay {ov['key']} ({built}, kvctl {ov['version']}, {ov['files']} files): "
