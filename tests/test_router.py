@@ -99,6 +99,9 @@ class FakeVLLM:
         self.delay_s = 0.0  # before answering a completion
         self.chunk_delay_s = 0.0  # between streamed chunks
         self.fail_after: int | None = None  # cut the connection after this many chunks
+        # Fields added to a non-streamed answer, from the request's body (NIXL's P answers
+        # with kv_transfer_params).
+        self.answer_fields: Callable[[dict, str], dict] = lambda body, rid: {}
         self.closed_early: list[str] = []  # request ids whose caller went away mid-answer
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -163,7 +166,8 @@ class FakeVLLM:
             answer = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{rid}",
                       "object": "chat.completion" if chat else "text_completion", "created": 1,
                       "model": body.get("model"), "choices": [choice],
-                      "usage": {"prompt_tokens": 3, "completion_tokens": len(toks), "total_tokens": 3 + len(toks)}}
+                      "usage": {"prompt_tokens": 3, "completion_tokens": len(toks), "total_tokens": 3 + len(toks)},
+                      **self.answer_fields(body, rid)}
             data = json.dumps(answer).encode()
             if self.fail_after is not None:  # declare the whole length, send half, cut
                 resp = web.StreamResponse(headers={"Content-Type": "application/json"})

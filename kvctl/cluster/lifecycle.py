@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from connectors.config.topology import handshake_connector
 from kvctl.cluster.spec import ClusterSpec
 from kvctl.cluster.state import (
     STATE_FILE,
@@ -390,7 +391,9 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             if spec.router:
                 state.router = start_router({n: (r.role, r.url) for n, r in state.instances.items()},
                                             cdir, spec.router_port or free_ports(1)[0],
-                                            host=spec.router_host, api_key=spec.api_key)
+                                            host=spec.router_host, api_key=spec.api_key,
+                                            kv_transfer_params=handshake_connector(
+                                                spec.prefill.kv_transfer_config) is not None)
                 state.endpoint = state.router["url"]
                 save_cluster(state)
             return state

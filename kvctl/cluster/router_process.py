@@ -43,17 +43,22 @@ ROUTER_READY_S = 60.0  # the router is up in about a second; its /health waits f
 
 
 def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int,
-                 host: str = DEFAULT_HOST, api_key: str | None = None) -> dict[str, Any]:
+                 host: str = DEFAULT_HOST, api_key: str | None = None,
+                 kv_transfer_params: bool = False) -> dict[str, Any]:
     """Start the router for `instances` ({name: (role, url)}) and wait until it is healthy.
 
     `api_key`: the router requires `Authorization: Bearer KEY` on /v1/* (None: no key,
     even when kvctl's own environment has a $KVCTL_ROUTER_API_KEY).
+    `kv_transfer_params`: the handshake NIXL needs (`--kv-transfer-params`; the caller
+    asks connectors.config.topology.handshake_connector).
 
     Returns its record: url, pid, start_ticks, command, log_path. Raises
     RuntimeFailure (with the router's log tail) when it exits or stays
     unhealthy; the process is stopped first.
     """
     argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
+    if kv_transfer_params:
+        argv.append("--kv-transfer-params")
     for name, (role, url) in sorted(instances.items()):
         argv += [f"--{role}", f"{name}={url}"]
     log_path = cdir / "logs" / "router.log"

@@ -1,7 +1,8 @@
 """`python -m kvctl.router`: run the P/D router as its own process.
 
     python -m kvctl.router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]
-        --port N [--host 127.0.0.1] [--api-key KEY] [--policy round_robin|least_outstanding]
+        --port N [--host 127.0.0.1] [--api-key KEY] [--kv-transfer-params]
+        [--policy round_robin|least_outstanding]
         [--health-interval S] [--prefill-timeout S] [--decode-idle-timeout S] [--log-level L]
 
 Each URL may be named: `--prefill p-a=http://127.0.0.1:8100`. The API key may also come
@@ -38,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True, help="port to listen on (0: any free one)")
     p.add_argument("--api-key", default=os.environ.get(cfg.API_KEY_ENV) or None,
                    help=f"require `Authorization: Bearer KEY` on /v1/* (default ${cfg.API_KEY_ENV})")
+    p.add_argument("--kv-transfer-params", action="store_true",
+                   help="the handshake of connectors like NIXL: P is asked for kv_transfer_params "
+                        "(do_remote_decode), D gets the ones P answered with; a P answer without "
+                        "them is a 502")
     p.add_argument("--policy", default=cfg.DEFAULT_POLICY, choices=cfg.POLICIES,
                    help="how each pool picks an instance (default %(default)s)")
     p.add_argument("--health-interval", type=float, default=cfg.HEALTH_INTERVAL_S, metavar="S",
@@ -60,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = cfg.build_config(
             args.prefill, args.decode, host=args.host, port=args.port, api_key=args.api_key,
-            policy=args.policy, health_interval_s=args.health_interval,
-            health_timeout_s=args.health_timeout, connect_timeout_s=args.connect_timeout,
+            kv_transfer_params=args.kv_transfer_params, policy=args.policy,
+            health_interval_s=args.health_interval, health_timeout_s=args.health_timeout, connect_timeout_s=args.connect_timeout,
             prefill_timeout_s=args.prefill_timeout, decode_idle_timeout_s=args.decode_idle_timeout)
     except KvctlError as e:
         e.locate(lambda field: "--" + field.replace("_", "-"))

@@ -20,7 +20,10 @@ A completion, step by step:
    that P down and the next healthy P is tried (the request never reached it);
    none left: 502 naming every P tried. P's 4xx goes back to the client unchanged
    and D is not called; P's 5xx, a timeout or a cut answer give 502 naming it.
-4. Once P has answered, D gets the client's body byte for byte. D's answer is
+4. Once P has answered, D gets the client's body byte for byte (with the handshake,
+   RouterConfig.kv_transfer_params: P is asked for `kv_transfer_params`, D gets the
+   client's request with the ones P answered, and a P answer without them is a 502
+   naming P; bodies.py). D's answer is
    relayed chunk by chunk as it arrives (SSE events unbuffered). Before D's first
    body byte, D failing gives 502 like P (its 4xx passes through); after it, a
    stream gets an SSE `data: {"error": ...}` event and a plain answer is cut off
@@ -55,8 +58,11 @@ from aiohttp import web
 
 from kvctl.router.bodies import (
     BadRequestBody,
+    answered_params,
     encode,
     error_body,
+    handshake_decode_request,
+    handshake_prefill_request,
     parse_request,
     prefill_request,
 )
@@ -197,20 +203,25 @@ class Router:
                 if not pool.healthy():
                     raise UpstreamError(503, f"no healthy {pool.role} instance: {pool.unhealthy_summary()}",
                                         code=f"no_healthy_{pool.role}")
-            early = await self._prefill(request, encode(prefill_request(body)), upstream_headers,
-                                        rec, headers)
+            handshake = self.config.kv_transfer_params
+            p_body = handshake_prefill_request(body) if handshake else prefill_request(body)
+            early, params = await self._prefill(request, encode(p_body), upstream_headers, rec, headers)
             if early is not None:
                 return early
-            return await self._decode(request, raw, upstream_headers, rec, headers)
+            d_body = encode(handshake_decode_request(body, params)) if params is not None else raw
+            return await self._decode(request, d_body, upstream_headers, rec, headers)
         except UpstreamError as e:
             rec.error = e.message
             return e.response(headers)
 
     async def _prefill(self, request: web.Request, body: bytes, upstream_headers: dict[str, str],
-                       rec: RouteRecord, headers: dict[str, str]) -> web.Response | None:
-        """P's part. Returns P's 4xx answer for the client, or None when D goes next.
+                       rec: RouteRecord, headers: dict[str, str],
+                       ) -> tuple[web.Response | None, dict | None]:
+        """P's part. Returns P's 4xx answer for the client (or None when D goes next), and
+        with the handshake the kv_transfer_params P answered with (else None).
 
-        Raises UpstreamError when no P answered well.
+        Raises UpstreamError when no P answered well, or (handshake) P's answer has no
+        kv_transfer_params.
         """
         pool = self.pools["prefill"]
         sent = time.perf_counter()
@@ -232,10 +243,21 @@ class Router:
         self.metrics.observe(self.metrics.prefill, rec.prefill_ms / 1000, instance=inst.name)
         if 400 <= resp.status < 500:
             rec.error = f"prefill answered {resp.status}: {_snippet(answer)}"
-            return web.Response(status=resp.status, body=answer, headers={**_relayed(resp), **headers})
+            return web.Response(status=resp.status, body=answer, headers={**_relayed(resp), **headers}), None
         if not 200 <= resp.status < 300:
             raise self._bad_status(inst, resp.status, answer)
-        return None
+        if not self.config.kv_transfer_params:
+            return None, None
+        params = answered_params(answer)
+        if params is None:  # D would recompute the whole prompt without them: never silently
+            self.metrics.inc(self.metrics.errors, role="prefill", instance=inst.name,
+                             kind="no_kv_transfer_params")
+            raise UpstreamError(
+                502, f"prefill instance {inst.name} ({inst.url}) answered without kv_transfer_params: "
+                     "this cluster's transfer connector needs them for D to pull the KV (is P's "
+                     f"--kv-transfer-config a NIXL one?); P answered: {_snippet(answer)}",
+                code="prefill_no_kv_transfer_params", instance=inst.name)
+        return None, params
 
     async def _decode(self, request: web.Request, body: bytes, upstream_headers: dict[str, str],
                       rec: RouteRecord, headers: dict[str, str]) -> web.StreamResponse:

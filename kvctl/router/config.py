@@ -46,6 +46,9 @@ class RouterConfig:
     host: str = DEFAULT_HOST
     port: int = 0  # 0: a free port, chosen when the router starts
     api_key: str | None = None  # when set, /v1/* requires `Authorization: Bearer <api_key>`
+    # True: P is asked for kv_transfer_params and D gets the ones P answered with (NIXL;
+    # bodies.py has the rule); a P answer without them is a 502 naming P.
+    kv_transfer_params: bool = False
     policy: str = DEFAULT_POLICY
     health_interval_s: float = HEALTH_INTERVAL_S
     health_timeout_s: float = HEALTH_TIMEOUT_S
@@ -86,7 +89,8 @@ def parse_instance(text: str, role: str, index: int) -> InstanceConfig:
 
 
 def build_config(prefill: Sequence[str], decode: Sequence[str], *, host: str = DEFAULT_HOST,
-                 port: int = 0, api_key: str | None = None, policy: str = DEFAULT_POLICY,
+                 port: int = 0, api_key: str | None = None, kv_transfer_params: bool = False,
+                 policy: str = DEFAULT_POLICY,
                  health_interval_s: float = HEALTH_INTERVAL_S,
                  health_timeout_s: float = HEALTH_TIMEOUT_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
@@ -129,6 +133,7 @@ def build_config(prefill: Sequence[str], decode: Sequence[str], *, host: str = D
             raise BadInput(f"{name} must be a positive number of seconds, got {value}", field=name,
                            fix="give seconds greater than 0")
     return RouterConfig(prefill=pools["prefill"], decode=pools["decode"], host=host, port=port,
-                        api_key=api_key, policy=policy, health_interval_s=health_interval_s,
+                        api_key=api_key, kv_transfer_params=kv_transfer_params, policy=policy,
+                        health_interval_s=health_interval_s,
                         health_timeout_s=health_timeout_s, connect_timeout_s=connect_timeout_s,
                         prefill_timeout_s=prefill_timeout_s, decode_idle_timeout_s=decode_idle_timeout_s)
