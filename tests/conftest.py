@@ -88,6 +88,22 @@ def _find_rig() -> tuple[Path | None, str]:
 _RIG = _find_rig()  # resolved once, before any test points KVCTL_HOME elsewhere
 
 
+def _find_real_model() -> tuple[Path | None, str]:
+    """The catalog's first real model, converted once per machine under the real
+    KVCTL_HOME (`make real-model`, which `make test` runs first), like the rig."""
+    from kvctl.provision import model_catalog, model_get
+
+    entry = model_catalog.lookup(model_catalog.DEFAULT_REAL_MODEL)
+    got = model_get.cached(entry)
+    if got is None:
+        return None, (f"{entry.name} is not converted under {model_get.models_dir()}: "
+                      f"run `make real-model` (or `kvctl model get {entry.name}`)")
+    return got.path, ""
+
+
+_REAL_MODEL = _find_real_model()  # resolved with the real KVCTL_HOME, as _RIG is
+
+
 @pytest.fixture(scope="session")
 def rig_python() -> Path:
     """A python with the CPU rig and this checkout. Skips without; fails when KVCTL_REQUIRE_RIG=1."""
@@ -109,6 +125,18 @@ def tiny_model(shared_dir: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         write_model(out)  # returns at once when it is already there
     return out
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct as `kvctl model get` converted it (never converted by a test).
+    Skips without it; fails when KVCTL_REQUIRE_RIG=1 (CI: `make test` gets it first)."""
+    path, why = _REAL_MODEL
+    if path is None:
+        if REQUIRE_RIG:
+            pytest.fail(f"real model missing (KVCTL_REQUIRE_RIG=1): {why}")
+        pytest.skip(f"real model missing: {why}")
+    return path
 
 
 @pytest.fixture

