@@ -12,7 +12,8 @@ on one that serves anyone else):
    endpoint (the router), each prompt's answer compared with its baseline by
    token id;
 3. once a quarter of the requests are done and the victim has requests in
-   flight (the router's /kvctl/instances), its process group gets SIGKILL;
+   flight (the router's /kvctl/instances), its runtime kills it (`Instance.kill`:
+   SIGKILL to a local server's process group, to a container's server);
 4. the router's view is polled until it marks the victim unhealthy.
 
 Reported (`measure_fault` returns it; `--json` prints it):
@@ -46,18 +47,19 @@ import argparse
 import json
 import os
 import re
-import signal
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from kvctl.client import SEED_TOP_P, VLLMClient, auth_headers, user_messages
 from kvctl.cluster.state import ClusterState, cluster_api_key, load_cluster
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
+from kvctl.runtime import Instance, get_runtime
 from kvctl.verify.load_mode import generate_prompts
 
 REQUESTS = 40
@@ -140,32 +142,35 @@ def _chosen(client: httpx.Client, endpoint: str, name: str) -> float:
     return sum(float(v) for n, v in _COUNTER_RE.findall(text) if n == name)
 
 
-def _victim(state: ClusterState, name: str) -> tuple[str, int]:
+def _victim(state: ClusterState, name: str) -> Instance:
+    """Instance `name` of `state`, which its runtime can kill. Raises BadInput (field `kill`)."""
     rec = state.instances.get(name)
     if rec is None:
         raise BadInput(f"cluster {state.name!r} has no instance {name!r}", field="kill",
                        fix=f"name one of: {', '.join(state.instances)}")
-    if not state.managed or state.runtime != "local" or not isinstance(rec.runtime_fields.get("pid"), int):
-        raise BadInput(f"instance {name!r} is not a local process kvctl started", field="kill",
-                       fix="run the fault test on a cluster launched with the local runtime")
+    runtime = get_runtime(state.runtime)
+    if not runtime.starts_servers:
+        raise BadInput(f"instance {name!r} is not a server kvctl started", field="kill",
+                       fix="run the fault test on a cluster kvctl launched")
     if len(state.by_role(rec.role)) < 2:
         raise BadInput(f"{name!r} is the only {rec.role} instance: nothing could take over", field="kill",
                        fix="launch pools of two or more instances of each role (`kvctl launch pd`)")
-    return rec.role, rec.runtime_fields["pid"]
+    return runtime.attach(name, rec.role, rec.url, Path(rec.log_path), rec.runtime_fields)
 
 
 def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency: int = CONCURRENCY,
                   max_tokens: int = MAX_TOKENS) -> dict:
     """Kill `victim` (an instance of cluster `name`) under load; the figures (module docstring).
 
-    Raises BadInput (unknown cluster or instance, an instance that is not a local
-    process, the last of its role), RuntimeFailure (no baseline, the router never
+    Raises BadInput (unknown cluster or instance, an instance kvctl did not start,
+    the last of its role), RuntimeFailure (no baseline, the router never
     marked the victim down).
     """
     state = load_cluster(name)
     if not state.endpoint:
         raise BadInput(f"cluster {name!r} has no endpoint", field="name", fix="launch it with its router")
-    role, pid = _victim(state, victim)
+    target = _victim(state, victim)
+    role = target.role
     survivor = next(n for n in state.by_role("prefill") if n != victim)
     prompts = generate_prompts(PROMPTS)
     model = state.served_model_name
@@ -201,10 +206,7 @@ def measure_fault(name: str, victim: str, requests: int = REQUESTS, concurrency:
             time.sleep(0.01)
         kill["outstanding"] = outstanding
         kill["at"] = time.time()
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            os.kill(pid, signal.SIGKILL)
+        target.kill()
         limit = time.monotonic() + RECOVERY_LIMIT_S
         while time.monotonic() < limit:
             if _instances(client, endpoint).get(victim, {}).get("healthy") is False:
@@ -266,7 +268,7 @@ def _names(body: str, victim: str) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvctl.bench.faults", description=__doc__.split("\n")[0])
-    parser.add_argument("name", help="a cluster kvctl launched (local runtime, a pool of the victim's role)")
+    parser.add_argument("name", help="a cluster kvctl launched (a pool of the victim's role)")
     parser.add_argument("--kill", required=True, help="the instance to kill -9, e.g. decode-1")
     parser.add_argument("--requests", type=int, default=REQUESTS)
     parser.add_argument("--concurrency", type=int, default=CONCURRENCY)

@@ -365,8 +365,10 @@ def plain_server(state: ClusterState, progress: Progress) -> Iterator[str]:
     Raises BadInput for a cluster it cannot start one for (attached, docker,
     no model dir here), RuntimeFailure when it dies or is not healthy in time.
     """
-    if not state.managed or state.runtime != "local":
-        what = "attached (kvctl did not start it)" if not state.managed else f"on the {state.runtime} runtime"
+    runtime = get_runtime(state.runtime)
+    if not runtime.host_rigs:
+        what = ("attached (kvctl did not start it)" if not runtime.starts_servers
+                else f"on the {state.runtime} runtime")
         raise BadInput(f"cluster {state.name!r} is {what}: kvctl starts the plain server only beside a "
                        "local cluster", field="plain_url",
                        fix="start a vLLM server with the same model and no kv-transfer-config, and pass "
@@ -375,10 +377,7 @@ def plain_server(state: ClusterState, progress: Progress) -> Iterator[str]:
     if not (spec.model / "config.json").is_file():
         raise BadInput(f"the cluster's model directory {spec.model} is not here", field="plain_url",
                        fix="pass the URL of a plain server with the same model")
-    runtime = get_runtime("local")
-    check_instance = getattr(runtime, "check_instance", None)
-    if check_instance is not None:
-        check_instance(spec)
+    runtime.check_instance(spec)  # the rig of its engine
     progress(f"plain: starting a vLLM server (engine {spec.engine}, no KV transfer) on port {spec.port}")
     inst: Instance | None = None
     try:

@@ -15,9 +15,10 @@ the cluster's `api_key` file (mode 0600), never into cluster.json or a command
 line. `running_cluster` wraps launch and `down` for callers that must always
 tear down (scenarios, tests).
 
-A cluster kvctl did not start (`managed: false`, written by kvctl.attach)
-has no runtime behind it: its status is its instances' /health answers,
-its logs are its log files, and `down` refuses it (`kvctl detach` forgets it).
+A cluster kvctl did not start (`managed: false`, written by kvctl.attach) is on
+the attached runtime (kvctl.runtime.attached), which starts no servers: its status
+is its instances' /health answers, its logs are its log files, and `down` refuses
+it (`kvctl detach` forgets it). Everything here asks the runtime, never its name.
 
 Library code: nothing here prints; progress goes to an optional callback.
 """
@@ -56,18 +57,15 @@ from kvctl.cluster.state import (
 )
 from kvctl.errors import BadInput, KvctlError, RuntimeFailure
 from kvctl.net import NotHealthy, answers_health, free_ports, wait_healthy
-from kvctl.runtime import get_runtime
+from kvctl.runtime import get_runtime, runtime_class, stray_instances
 from kvctl.runtime.base import (
     Instance,
     InstanceSpec,
-    InstanceStatus,
     StopResult,
-    instance_logs,
     last_log_line,
     read_log_tail,
 )
 from kvctl.cluster.router_process import router_instance, start_router
-from kvctl.runtime.processes import process_start_ticks, server_groups_in
 from kvctl.subprocesses import TAIL_LINES
 
 log = logging.getLogger(__name__)
@@ -174,36 +172,14 @@ def _launch_lock(name: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-class AttachedInstance:
-    """A server of a cluster kvctl did not start: seen through /health, never stopped."""
-
-    def __init__(self, role: str, url: str, log_path: Path):
-        self.role, self.url, self.log_path = role, url, log_path
-
-    def status(self) -> InstanceStatus:
-        with httpx.Client() as client:
-            if answers_health(client, self.url):
-                return InstanceStatus(True, detail="attached: /health answers")
-        return InstanceStatus(False, detail="attached: /health does not answer")
-
-    def stop(self, grace_s: float = STOP_GRACE_S) -> StopResult:
-        raise BadInput(f"the {self.role} server at {self.url} was not started by kvctl; it is not stopped",
-                       fix="stop it where it was started")
-
-    def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
-        return instance_logs(self, tail, follow)
-
-    def record(self) -> dict[str, Any]:
-        return {}
-
-
 def _attach_all(state: ClusterState) -> dict[str, Instance]:
-    if not state.managed:
-        return {name: AttachedInstance(name, rec.url, Path(rec.log_path))
-                for name, rec in state.instances.items()}
     runtime = get_runtime(state.runtime)
-    return {role: runtime.attach(role, rec.url, Path(rec.log_path), rec.runtime_fields)
-            for role, rec in state.instances.items()}
+    return {name: runtime.attach(name, rec.role, rec.url, Path(rec.log_path), rec.runtime_fields)
+            for name, rec in state.instances.items()}
+
+
+def _starts_servers(state: ClusterState) -> bool:
+    return runtime_class(state.runtime).starts_servers
 
 
 def _not_ours(state: ClusterState, doing: str) -> BadInput:
@@ -237,7 +213,7 @@ def _ensure_name_free(name: str) -> None:
     if not (cluster_dir(name) / STATE_FILE).exists():
         return
     state = load_cluster(name)
-    if not state.managed:
+    if not _starts_servers(state):
         raise _not_ours(state, "a launch under its name would replace it")
     instances = _attach_all(state)
     running = [r for r, i in instances.items() if i.status().running]
@@ -353,9 +329,7 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
         _stop_all(started)
         if state is not None and state.router is not None:
             router_instance(state.router).stop(STOP_GRACE_S)
-        leftovers = getattr(runtime, "remove_leftovers", None)  # docker: a container made
-        if leftovers is not None:                               # but not yet recorded
-            leftovers(spec.name)
+        runtime.remove_leftovers(spec.name)  # docker: a container made but not yet recorded
         remove_state(spec.name)
         if made_store and spec.store.is_dir() and not any(spec.store.iterdir()):
             spec.store.rmdir()
@@ -375,10 +349,8 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
                 save_api_key(spec.name, spec.api_key)
             save_cluster(state)  # before any server: `kvctl down` finds the runtime's leftovers
             ispecs = instance_specs(spec)
-            check_instance = getattr(runtime, "check_instance", None)  # local: each engine's rig
-            if check_instance is not None:
-                for ispec in ispecs.values():
-                    check_instance(ispec)
+            for ispec in ispecs.values():
+                runtime.check_instance(ispec)  # local: each engine's rig
             for iname, ispec in ispecs.items():
                 inst = runtime.start(ispec)
                 started[iname] = inst
@@ -450,14 +422,14 @@ def cluster_status(name: str) -> ClusterStatus:
     """Process and /health state of each instance. Raises BadInput for an unknown cluster.
 
     An attached cluster's instances have no process kvctl knows: running and
-    healthy both mean /health answered.
+    healthy both mean /health answered (their status asks it).
     """
     state = load_cluster(name)
     health = {}
     with httpx.Client() as client:
         for role, inst in _attach_all(state).items():
             st = inst.status()
-            ok = st.running and (not state.managed or answers_health(client, inst.url))
+            ok = st.running and (st.healthy if st.healthy is not None else answers_health(client, inst.url))
             health[role] = InstanceHealth(role, st.running, ok, st.detail)
         endpoint_ok = answers_health(client, state.endpoint) if state.endpoint else None
     return ClusterStatus(state, health, endpoint_ok)
@@ -525,10 +497,9 @@ class DownReport:
     roles: dict[str, str] = field(default_factory=dict)  # instance name -> its role ("router" for the router)
 
     def to_json(self) -> dict[str, Any]:
-        # A StopResult's `role` is what its runtime calls the server: the instance's name.
         return {"name": self.name, "found": self.found, "removed": self.removed,
                 "kept_store": self.kept_store, "damaged_state": self.damaged_state,
-                "stopped": [{"instance": s.role, "role": self.roles.get(s.role, s.role),
+                "stopped": [{"instance": s.name, "role": self.roles.get(s.name, s.name),
                              "was_running": s.was_running, "signal": s.signal,
                              "seconds": round(s.seconds, 2)} for s in self.stopped]}
 
@@ -555,7 +526,7 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             report.damaged_state = e.what
             report.stopped = _stop_strays(cdir, grace_s)
         else:
-            if not state.managed:
+            if not _starts_servers(state):
                 raise _not_ours(state, "down stops only servers kvctl started")
             store = Path(state.store) if state.store is not None else None
             instances = _attach_all(state)
@@ -582,25 +553,20 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
 def _remove_leftovers(state: ClusterState) -> None:
     """What the runtime made for this cluster but never recorded (docker: a container created
     just before the launching kvctl was killed), found by the runtime's own marks."""
-    leftovers = getattr(get_runtime(state.runtime), "remove_leftovers", None)
-    if leftovers is not None:
-        removed = leftovers(state.name, [r.runtime_fields for r in state.instances.values()])
-        if removed:
-            log.warning("removed unrecorded leftovers of cluster %r: %s", state.name, ", ".join(removed))
+    removed = get_runtime(state.runtime).remove_leftovers(
+        state.name, [r.runtime_fields for r in state.instances.values()])
+    if removed:
+        log.warning("removed unrecorded leftovers of cluster %r: %s", state.name, ", ".join(removed))
 
 
 def _stop_strays(cdir: Path, grace_s: float) -> list[StopResult]:
     """Stop the vLLM servers still running in `cdir` when the state naming them is lost.
 
-    Local servers run in their cluster dir, each leading its own process group;
-    each group is stopped as the local runtime stops its instances.
-    (A docker cluster's containers carry labels and are not found here.)
+    The runtimes find them (kvctl.runtime.stray_instances: local servers, each
+    leading its own process group in the cluster dir); each is stopped as its
+    runtime stops its instances.
     """
-    local = get_runtime("local")
-    instances = {f"process group {pgid}": local.attach(f"process group {pgid}", "", cdir / "logs",
-                                                       {"pid": pgid, "start_ticks": process_start_ticks(pgid)})
-                 for pgid in server_groups_in(cdir)}
-    return _stop_all(instances, grace_s)
+    return _stop_all(stray_instances(cdir), grace_s)
 
 
 @contextlib.contextmanager

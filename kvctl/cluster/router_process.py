@@ -33,7 +33,7 @@ import httpx
 from kvctl.errors import RuntimeFailure
 from kvctl.router.config import API_KEY_ENV as ROUTER_API_KEY_ENV
 from kvctl.router.config import DEFAULT_HOST
-from kvctl.runtime import get_runtime
+from kvctl.runtime.local import LocalRuntime
 from kvctl.runtime.base import Instance, read_log_tail
 from kvctl.runtime.processes import process_start_ticks
 from kvctl.subprocesses import TAIL_LINES
@@ -106,5 +106,6 @@ def _reachable(host: str) -> str:
 
 def router_instance(record: Mapping[str, Any]) -> Instance:
     """The router process of a cluster as an Instance (status, logs, stop)."""
-    return get_runtime("local").attach("router", record["url"], Path(record["log_path"]),
-                                       {k: record[k] for k in ("pid", "start_ticks", "command")})
+    # The router is a process of this host whatever runs the servers: the local runtime's kind.
+    return LocalRuntime().attach("router", "router", record["url"], Path(record["log_path"]),
+                                 {k: record[k] for k in ("pid", "start_ticks", "command")})

@@ -27,6 +27,7 @@ from kvctl.errors import BadInput
 from kvctl.provision import model_catalog, model_get
 from kvctl.provision.tiny_model import ensure_default_model
 from kvctl.router.config import DEFAULT_HOST as ROUTER_HOST  # the router binds loopback unless told otherwise
+from kvctl.runtime import DEFAULT_RUNTIME, runtime_class
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, ENGINES, MAX_MODEL_LEN
 from kvctl.runtime.docker_options import DockerOptions, gpu_lists
 
@@ -62,7 +63,7 @@ class ClusterSpec:
     """A validated 1P1D cluster to launch (build it with `build_1p1d_spec`)."""
 
     name: str
-    runtime: str  # concrete: "local" | "docker"
+    runtime: str  # concrete: a name of kvctl.runtime.RUNTIMES that starts servers
     model: Path  # absolute HF model dir
     served_model_name: str
     dtype: str
@@ -104,6 +105,14 @@ class ClusterSpec:
                     name=next(names), role=role, port=rs.port + i if rs.port else 0,
                     cpu_bind=rs.cpu_binds[i] if i < len(rs.cpu_binds) else rs.cpu_bind))
         return tuple(planned)
+
+    def instance_names(self) -> tuple[str, ...]:
+        """Every instance's name, in launch order (a runtime's LaunchPlan)."""
+        return tuple(p.name for p in self.instances())
+
+    def role_engines(self) -> dict[str, str]:
+        """Each role's vLLM engine (a runtime's LaunchPlan)."""
+        return {"prefill": self.prefill.engine, "decode": self.decode.engine}
 
 
 def instance_names(prefill: int, decode: int, pooled: bool) -> tuple[str, ...]:
@@ -296,7 +305,7 @@ def check_pool_sizes(prefill: int, decode: int) -> None:
                            fix=f"give the number of {role} instances, e.g. 2")
 
 
-def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: Path | None = None,
+def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME, model: Path | None = None,
                     served_model_name: str | None = None,
                     prefill_config: dict | None | DefaultConfig = DEFAULT_CONFIG,
                     decode_config: dict | None | DefaultConfig = DEFAULT_CONFIG,
@@ -338,7 +347,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = "local", model: 
     check_pool_sizes(prefill_count, decode_count)
     engines = {"prefill": check_engine(prefill_engine, "prefill_engine"),
                "decode": check_engine(decode_engine, "decode_engine")}
-    if docker is not None and runtime != "docker":
+    if docker is not None and not runtime_class(runtime).docker_options:
         raise BadInput(f"the image, gpus, bind address and docker hosts need the docker runtime, "
                        f"not {runtime}", field="runtime",
                        fix="choose the docker runtime, or drop the docker options")

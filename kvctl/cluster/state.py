@@ -50,10 +50,10 @@ from typing import Any
 from connectors.store.atomic import write_atomic
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
+from kvctl.runtime.attached import NAME as ATTACHED_RUNTIME  # the `runtime` of a cluster kvctl did not start
 
 DEFAULT_NAME = "default"
 STATE_FILE = "cluster.json"
-ATTACHED_RUNTIME = "attached"  # the `runtime` of a cluster kvctl did not start
 COMMAND_PREFIX = "cmd:"  # a log source that is a command whose output is the log
 API_KEY_FILE = "api_key"  # the cluster's API key, mode 0600, beside cluster.json
 API_KEY_ENV = "KVCTL_API_KEY"  # the key for a launch, and for clusters without the file (attached)

@@ -20,7 +20,7 @@ from kvctl.cluster.spec import (DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, ROUTER_HO
 from kvctl.cluster.state import API_KEY_ENV, DEFAULT_NAME, check_api_key
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import json_option
-from kvctl.runtime import RUNTIME_CHOICES, select_runtime
+from kvctl.runtime import AUTO, RUNTIME_CHOICES, runtime_class, select_runtime
 from kvctl.runtime.docker_options import docker_options
 from kvctl.views.cluster import (
     LaunchDisplay,
@@ -47,7 +47,7 @@ _API_KEY_HELP = (f"Every vLLM server and the router require `Authorization: Bear
 
 def launch_1p1d_cmd(
     name: str = typer.Option(DEFAULT_NAME, "--name", help=_NAME_HELP),
-    runtime: str = typer.Option("auto", "--runtime", help=f"One of {', '.join(RUNTIME_CHOICES)}."),
+    runtime: str = typer.Option(AUTO, "--runtime", help=f"One of {', '.join(RUNTIME_CHOICES)}."),
     model: Path | None = typer.Option(None, "--model", help="HF model dir (default: the tiny model)."),
     served_model_name: str | None = typer.Option(
         None, "--served-model-name", help="Model name in API requests (default: the model dir's name)."),
@@ -119,11 +119,12 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             e.where = f"${API_KEY_ENV}"  # field api_key still; the user set the variable, not the option
             raise
     chosen, why = select_runtime(runtime)
+    traits = runtime_class(chosen)
     docker_given = bool(gpus) or any(v is not None for v in (image, bind, prefill_docker_host,
                                                              decode_docker_host))
     docker = (docker_options(image=image, gpus=gpus or None, bind=bind, prefill_host=prefill_docker_host,
                              decode_host=decode_docker_host)
-              if chosen == "docker" or docker_given else None)
+              if traits.docker_options or docker_given else None)
     build = (build_1p1d_spec if pools is None
              else functools.partial(build_pd_spec, prefill=pools[0], decode=pools[1]))
     spec = build(
@@ -138,7 +139,7 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
         prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key,
         router_host=router_host, router_port=router_port)
     render_launch_plan(out, spec, why)
-    if chosen == "local" and "v0" in (spec.prefill.engine, spec.decode.engine):
+    if traits.host_rigs and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)
     try:
         with LaunchDisplay(out) as display:

@@ -8,6 +8,7 @@ import typer
 
 from kvctl.errors import BadInput
 from kvctl.options import JSON_OPT
+from kvctl.runtime import requested_runtime_class
 from kvctl.scenario.catalog import describe_shipped
 from kvctl.scenario.runner import run_scenario, write_scenario_junit
 from kvctl.scenario.schema import load_scenario, scenario_file
@@ -66,7 +67,7 @@ def run_cmd(
     out.info(f"scenario [bold]{scenario.name}[/bold] ({source})")
     engines = () if scenario.attaches else tuple(scenario.role(r).engine or scenario.engine
                                                   for r in ("prefill", "decode"))
-    if scenario.runtime == "local" and (scenario.attaches or "v0" in engines):
+    if requested_runtime_class(scenario.runtime).host_rigs and (scenario.attaches or "v0" in engines):
         ensure_rig(out)  # the V0 rig; a V1 one missing is reported by the launch, with its fix
     with RunDisplay(out) as display:
         report = run_scenario(scenario, display, keep=keep, source=source)

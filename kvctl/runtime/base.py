@@ -4,9 +4,15 @@ A `Runtime` turns an `InstanceSpec` (everything one server needs, as explicit
 fields) into a running `Instance`, and re-attaches to one from its record in
 cluster.json (`attach`), so `kvctl status`/`down` work from another process.
 An `Instance` is a thin model object in the docker-py manner: attributes
-(role, url, log_path, and `pid` or `container_id`) plus `status()`, `logs()`
-and `stop()`. Every runtime writes the server's output to `log_path` on this
-host, so log tails, markers and `kvctl logs` never depend on the runtime.
+(name, role, url, log_path, and `pid` or `container_id`) plus `status()`,
+`logs()`, `stop()` and `kill()`. Every runtime writes the server's output to
+`log_path` on this host, so log tails, markers and `kvctl logs` never depend
+on the runtime.
+
+What callers may ask of a runtime is declared here, on `Runtime`: its
+methods, and its capabilities as class attributes (`starts_servers`,
+`host_rigs`, `docker_options`), so no caller compares a runtime's name or
+probes for a method (kvctl.runtime's registry maps names to classes).
 
 The vLLM command line and environment are built here, once, so the local and
 docker runtimes start identical servers (they differ only in the python, the
@@ -22,10 +28,10 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 ROLES = ("prefill", "decode")
 ENGINES = ("v0", "v1")  # the vLLM generations a server can run (kvctl.provision.rig has a rig for each)
@@ -134,11 +140,12 @@ class InstanceStatus:
     running: bool
     exit_code: int | None = None  # when known (our own child, or a container)
     detail: str = ""  # e.g. "exited with code 2", "process 123 is gone"
+    healthy: bool | None = None  # set when the status itself asked /health (attached); None: not asked
 
 
 @dataclass(frozen=True)
 class StopResult:
-    role: str
+    name: str  # the instance's name (prefill-0, router, ...)
     was_running: bool
     signal: str | None  # the strongest signal needed: "SIGTERM", "SIGKILL" or None
     seconds: float
@@ -148,7 +155,8 @@ class StopResult:
 class Instance(Protocol):
     """One running (or formerly running) server."""
 
-    role: str
+    name: str  # its name in the cluster: prefill, decode (1P1D), prefill-0, ... (pools), router
+    role: str  # what it does: prefill, decode (router for the router, bench-plain for bench serve's plain server)
     url: str  # base URL reachable from this host, e.g. http://127.0.0.1:8100
     log_path: Path
 
@@ -158,6 +166,12 @@ class Instance(Protocol):
     def stop(self, grace_s: float = 10.0) -> StopResult:
         """Stop it (SIGTERM, then SIGKILL after `grace_s`); idempotent."""
 
+    def kill(self) -> None:
+        """SIGKILL it at once, no grace, no cleanup (fault injection: what a crash looks like).
+
+        Raises BadInput for a server kvctl did not start. A gone one is not an error.
+        """
+
     def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         """Lines of its log file (the last `tail` ones), then new ones while it runs if `follow`."""
 
@@ -165,13 +179,50 @@ class Instance(Protocol):
         """Runtime-specific fields for its cluster.json record (`pid` or `container_id`, ...)."""
 
 
-class Runtime(Protocol):
-    """Starts servers and re-attaches to them."""
+class LaunchPlan(Protocol):
+    """What a runtime reads of the cluster it launches (kvctl.cluster.spec.ClusterSpec is one)."""
 
-    name: str  # "local" | "docker"
+    @property
+    def store(self) -> Path: ...
+
+    @property
+    def docker(self) -> DockerOptions | None:  # noqa: F821 - kvctl.runtime.docker_options imports this module
+        """The docker options (image, GPUs, bind, engines), for a runtime that takes them."""
+
+    def instance_names(self) -> tuple[str, ...]:
+        """Every instance, in launch order (prefill, decode; or prefill-0, ..., decode-0, ...)."""
+
+    def role_engines(self) -> dict[str, str]:
+        """The vLLM engine of each role (`prefill`, `decode`)."""
+
+
+class Runtime(Protocol):
+    """Starts servers and re-attaches to them.
+
+    Capabilities, read from the class (kvctl.runtime.runtime_class) before any is built:
+    """
+
+    name: ClassVar[str]  # its value of cluster.json's `runtime`: "local", "docker", "attached"
+    # False: its clusters run elsewhere, kvctl did not start them (attached): never launched
+    # under, stopped by `down`, killed by the fault bench or given a plain server.
+    starts_servers: ClassVar[bool]
+    # Its servers run from this host's rigs (`kvctl rig install`): launch makes sure the V0 rig
+    # is there, `scenario list` reports a missing V1 rig, bench serve starts its plain server here.
+    host_rigs: ClassVar[bool]
+    # It takes DockerOptions (image, GPUs, bind address, docker hosts); for another runtime they
+    # are refused (launch) or warned about as ignored (scenario files).
+    docker_options: ClassVar[bool]
+
+    @classmethod
+    def for_cluster(cls, plan: LaunchPlan) -> Runtime:
+        """The runtime that launches `plan` (its options, store and instances)."""
 
     def check(self) -> None:
         """Raise BadInput (with the fix) if this runtime cannot start servers here."""
+
+    def check_instance(self, spec: InstanceSpec) -> None:
+        """Raise BadInput if this runtime cannot start `spec` here (e.g. its engine's rig is
+        missing); called for every instance before the first one starts."""
 
     def start(self, spec: InstanceSpec) -> Instance:
         """Start the server for `spec`; returns at once (health is the caller's wait).
@@ -180,8 +231,13 @@ class Runtime(Protocol):
         starting fails.
         """
 
-    def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> Instance:
+    def attach(self, name: str, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> Instance:
         """The Instance for a cluster.json record written by `Instance.record()`."""
+
+    def remove_leftovers(self, cluster: str, records: Iterable[Mapping[str, Any]] = ()) -> list[str]:
+        """Remove what it made for `cluster` but never recorded (docker: a container created just
+        before the launching kvctl was killed), found by its own marks; what it removed.
+        `records`: cluster.json's instance records (their `runtime_fields`)."""
 
 
 # --- log helpers shared by every runtime (logs always land in a host file) ---

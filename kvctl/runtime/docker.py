@@ -54,7 +54,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from connectors.config.topology import fs_storage_paths
 from kvctl.errors import BadInput, RuntimeFailure
@@ -65,6 +65,7 @@ from kvctl.runtime.base import (
     ROLES,
     InstanceSpec,
     InstanceStatus,
+    LaunchPlan,
     StopResult,
     instance_logs,
     vllm_server_args,
@@ -119,17 +120,18 @@ def _start_fix(error: str) -> str:
 class DockerInstance:
     """A vLLM server container (and the follower copying its log) ."""
 
-    def __init__(self, role: str, url: str, log_path: Path, engine: str, container_id: str,
-                 name: str, image: str, follower_pid: int | None = None,
+    def __init__(self, name: str, role: str, url: str, log_path: Path, engine: str, container_id: str,
+                 container_name: str, image: str, follower_pid: int | None = None,
                  follower_ticks: int | None = None, command: list[str] | None = None,
                  labels: Mapping[str, str] | None = None,
                  follower: subprocess.Popen | None = None, gpus: list[str] | None = None):
+        self.name = name  # the instance's (prefill-0, ...)
         self.role = role
         self.url = url
         self.log_path = log_path
         self.engine = engine
         self.container_id = container_id
-        self.name = name
+        self.container_name = container_name
         self.image = image
         self.follower_pid = follower_pid
         self.follower_ticks = follower_ticks
@@ -140,7 +142,7 @@ class DockerInstance:
         self._client: Any = None
 
     def __repr__(self) -> str:
-        return f"<DockerInstance {self.role} {self.name} on {self.engine} {self.url}>"
+        return f"<DockerInstance {self.name} {self.container_name} on {self.engine} {self.url}>"
 
     def client(self) -> Any:
         if self._client is None:
@@ -171,7 +173,7 @@ class DockerInstance:
         while self._follower_alive():
             if time.monotonic() >= deadline:
                 log.warning("log follower %s of %s did not exit; stopping it",
-                            self.follower_pid, self.name)
+                            self.follower_pid, self.container_name)
                 try:
                     os.killpg(self.follower_pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -188,17 +190,17 @@ class DockerInstance:
             return InstanceStatus(False, None, f"engine unreachable: {e.what}")
         if c is None:
             self._end_follower(0.5)
-            return InstanceStatus(False, None, f"container {self.name} is gone")
+            return InstanceStatus(False, None, f"container {self.container_name} is gone")
         state = c.attrs.get("State", {})
         if state.get("Running"):
-            return InstanceStatus(True, None, f"container {self.name} running")
+            return InstanceStatus(True, None, f"container {self.container_name} running")
         self._end_follower()  # the log file is complete once status says "stopped"
         code = state.get("ExitCode")
         what = (f"exited with code {code}" if state.get("Status") == "exited"
                 else f"is {state.get('Status', 'not running')}")
         if state.get("OOMKilled"):
             what += " (out of memory)"
-        return InstanceStatus(False, code, f"container {self.name} {what}")
+        return InstanceStatus(False, code, f"container {self.container_name} {what}")
 
     def stop(self, grace_s: float = 10.0) -> StopResult:
         """Stop (SIGTERM, SIGKILL after `grace_s`, both by the engine) and remove the container,
@@ -211,8 +213,8 @@ class DockerInstance:
         try:
             c = self._container()
         except BadInput as e:
-            raise RuntimeFailure(f"cannot stop the {self.role} container: {e.what}",
-                                 where=f"engine {self.engine}, container {self.name}",
+            raise RuntimeFailure(f"cannot stop the {self.name} container: {e.what}",
+                                 where=f"engine {self.engine}, container {self.container_name}",
                                  fix="start that engine (its containers may still run), then "
                                      "run `kvctl down` again") from None
         was_running, used = False, None
@@ -227,20 +229,37 @@ class DockerInstance:
             except docker.errors.NotFound:
                 pass
             except docker.errors.APIError as e:
-                raise RuntimeFailure(f"the engine could not remove the {self.role} container: "
+                raise RuntimeFailure(f"the engine could not remove the {self.name} container: "
                                      f"{daemon_error(e)}", where=f"engine {self.engine}, "
-                                     f"container {self.name}",
-                                     fix=f"remove it by hand: docker rm -f {self.name}") from None
+                                     f"container {self.container_name}",
+                                     fix=f"remove it by hand: docker rm -f {self.container_name}") from None
         self._end_follower()
         if {LABEL_CLUSTER, LABEL_ROLE, LABEL_HOME} <= self.labels.keys():
             _remove_labelled(self.client(), self.labels)  # a twin a failed launch left behind
-        return StopResult(self.role, was_running, used, time.monotonic() - t0)
+        return StopResult(self.name, was_running, used, time.monotonic() - t0)
+
+    def kill(self) -> None:
+        """SIGKILL the server (the engine kills the container; it stays, for its logs, until stop).
+        Raises RuntimeFailure when the engine cannot be reached."""
+        import docker.errors
+
+        try:
+            c = self._container()
+            if c is not None:
+                c.kill(signal="SIGKILL")
+        except BadInput as e:
+            raise RuntimeFailure(f"cannot kill the {self.name} container: {e.what}",
+                                 where=f"engine {self.engine}, container {self.container_name}") from None
+        except docker.errors.APIError as e:
+            if "is not running" not in daemon_error(e):
+                raise RuntimeFailure(f"the engine could not kill the {self.name} container: {daemon_error(e)}",
+                                     where=f"engine {self.engine}, container {self.container_name}") from None
 
     def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         return instance_logs(self, tail, follow)
 
     def record(self) -> dict[str, Any]:
-        return {"container_id": self.container_id, "container_name": self.name,
+        return {"container_id": self.container_id, "container_name": self.container_name,
                 "engine": self.engine, "image": self.image,
                 "log_follower_pid": self.follower_pid,
                 "log_follower_start_ticks": self.follower_ticks, "command": self.command,
@@ -267,7 +286,10 @@ def _remove_labelled(client: Any, labels: Mapping[str, str]) -> list[str]:
 class DockerRuntime:
     """Starts servers as containers; see the module docstring."""
 
-    name = "docker"
+    name: ClassVar[str] = "docker"
+    starts_servers: ClassVar[bool] = True
+    host_rigs: ClassVar[bool] = False  # the image holds the servers' vLLM
+    docker_options: ClassVar[bool] = True
 
     def __init__(self, options: DockerOptions | None = None, store: Path | None = None,
                  names: tuple[str, ...] = ROLES, engines: Mapping[str, str] | None = None):
@@ -279,11 +301,9 @@ class DockerRuntime:
         self._images: dict[str, tuple[str, dict[str, str]]] = {}  # role -> (ref, labels)
 
     @classmethod
-    def for_cluster(cls, spec: Any) -> DockerRuntime:
-        """The runtime for a ClusterSpec: its docker options, its store and its instances."""
-        names = tuple(p.name for p in spec.instances()) if hasattr(spec, "instances") else ROLES
-        engines = {r: getattr(getattr(spec, r, None), "engine", None) or "v0" for r in ROLES}
-        return cls(getattr(spec, "docker", None), getattr(spec, "store", None), names, engines)
+    def for_cluster(cls, plan: LaunchPlan) -> DockerRuntime:
+        """The runtime for a cluster (a ClusterSpec): its docker options, its store and its instances."""
+        return cls(plan.docker, plan.store, plan.instance_names(), plan.role_engines())
 
     def client(self, role: str) -> Any:
         url = self.options.host(role)
@@ -426,15 +446,19 @@ class DockerRuntime:
             raise
         url = f"http://{_url_host(engine, self.options.bind)}:{spec.port}"
         log.debug("started %s container %s on %s: %s", spec.instance, name, engine, shlex.join(argv))
-        return DockerInstance(spec.instance, url, spec.log_path, engine, container.id, name, ref,
+        return DockerInstance(spec.instance, spec.role, url, spec.log_path, engine, container.id, name, ref,
                               follower.pid, process_start_ticks(follower.pid), argv, labels,
                               follower, gpus)
 
-    def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> DockerInstance:
+    def check_instance(self, spec: InstanceSpec) -> None:
+        """Nothing more than `check` (every role's engine has its image)."""
+
+    def attach(self, name: str, role: str, url: str, log_path: Path,
+               record: Mapping[str, Any]) -> DockerInstance:
         if not isinstance(record.get("container_id"), str) or not isinstance(record.get("engine"), str):
-            raise BadInput(f"the {role} record of this cluster has no container_id/engine",
+            raise BadInput(f"the {name} record of this cluster has no container_id/engine",
                            where="cluster.json", fix="remove the cluster with `kvctl down`")
-        inst = DockerInstance(role, url, log_path, record["engine"], record["container_id"],
+        inst = DockerInstance(name, role, url, log_path, record["engine"], record["container_id"],
                               str(record.get("container_name") or record["container_id"][:12]),
                               str(record.get("image") or ""), record.get("log_follower_pid"),
                               record.get("log_follower_start_ticks"),

@@ -23,15 +23,16 @@ re-attach by pid. The record also keeps the process start time from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.provision.extras import server_sites
@@ -43,12 +44,13 @@ from kvctl.runtime.base import (
     ENTRYPOINT_MODULE,
     InstanceSpec,
     InstanceStatus,
+    LaunchPlan,
     StopResult,
     instance_logs,
     vllm_server_args,
     vllm_server_env,
 )
-from kvctl.runtime.processes import group_members, is_alive, process_start_ticks
+from kvctl.runtime.processes import group_members, is_alive, process_start_ticks, server_groups_in
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,10 @@ def engine_python(engine: str) -> Path:
 class LocalInstance:
     """A vLLM server process (and its process group) on this host."""
 
-    def __init__(self, role: str, url: str, log_path: Path, pid: int,
+    def __init__(self, name: str, role: str, url: str, log_path: Path, pid: int,
                  start_ticks: int | None, command: list[str] | None = None,
                  popen: subprocess.Popen | None = None, overlay: str | None = None):
+        self.name = name
         self.role = role
         self.url = url
         self.log_path = log_path
@@ -82,7 +85,7 @@ class LocalInstance:
         self.overlay = overlay  # the overlay dir its connectors come from
 
     def __repr__(self) -> str:
-        return f"<LocalInstance {self.role} pid={self.pid} {self.url}>"
+        return f"<LocalInstance {self.name} pid={self.pid} {self.url}>"
 
     def _is_ours(self) -> bool:
         """False when the pid now belongs to another process (ours is long gone)."""
@@ -130,23 +133,33 @@ class LocalInstance:
         """
         t0 = time.monotonic()
         if not self._members():
-            return StopResult(self.role, False, None, 0.0)
-        log.debug("stopping %s server (process group %d) with SIGTERM", self.role, self.pid)
+            return StopResult(self.name, False, None, 0.0)
+        log.debug("stopping %s server (process group %d) with SIGTERM", self.name, self.pid)
         self._signal_group(signal.SIGTERM)
         used = "SIGTERM"
         if not self._wait_gone(grace_s):
             log.warning("%s server (process group %d) ignored SIGTERM for %.0f s; sending SIGKILL",
-                        self.role, self.pid, grace_s)
+                        self.name, self.pid, grace_s)
             self._signal_group(signal.SIGKILL)
             used = "SIGKILL"
             if not self._wait_gone(KILL_WAIT_S):
                 raise RuntimeFailure(
-                    f"the {self.role} server's processes survived SIGKILL: {self._members()}",
+                    f"the {self.name} server's processes survived SIGKILL: {self._members()}",
                     where=f"process group {self.pid}",
                     fix="check them with `ps -o pid,stat,cmd -g PGID` and kill them by hand")
         if self._popen is not None:
             self._popen.wait(timeout=KILL_WAIT_S)
-        return StopResult(self.role, True, used, time.monotonic() - t0)
+        return StopResult(self.name, True, used, time.monotonic() - t0)
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (the leader alone if the group is gone)."""
+        if not self._is_ours():
+            return
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def logs(self, tail: int | None = None, follow: bool = False) -> Iterator[str]:
         return instance_logs(self, tail, follow)
@@ -159,7 +172,10 @@ class LocalInstance:
 class LocalRuntime:
     """Runs servers as subprocesses of the rig python (or `python` if given)."""
 
-    name = "local"
+    name: ClassVar[str] = "local"
+    starts_servers: ClassVar[bool] = True
+    host_rigs: ClassVar[bool] = True
+    docker_options: ClassVar[bool] = False
 
     def __init__(self, python: Path | None = None):
         self._given = python  # one interpreter for every engine (tests)
@@ -173,6 +189,11 @@ class LocalRuntime:
         if engine not in self._pythons:
             self._pythons[engine] = engine_python(engine)
         return self._pythons[engine]
+
+    @classmethod
+    def for_cluster(cls, plan: LaunchPlan) -> LocalRuntime:
+        """Every cluster runs on the same rigs: nothing of `plan` is needed up front."""
+        return cls()
 
     @property
     def python(self) -> Path:
@@ -226,12 +247,24 @@ class LocalRuntime:
                                      fix="check the rig with `kvctl rig install`") from e
         url_host = "127.0.0.1" if spec.host in ("0.0.0.0", "") else spec.host
         log.debug("started %s server pid %d: %s", spec.instance, popen.pid, shlex.join(argv))
-        return LocalInstance(spec.instance, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
+        return LocalInstance(spec.instance, spec.role, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
                              process_start_ticks(popen.pid), argv, popen, str(self.overlay.path))
 
-    def attach(self, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> LocalInstance:
+    def attach(self, name: str, role: str, url: str, log_path: Path,
+               record: Mapping[str, Any]) -> LocalInstance:
         if not isinstance(record.get("pid"), int):
-            raise BadInput(f"the {role} record of this cluster has no pid",
+            raise BadInput(f"the {name} record of this cluster has no pid",
                            where="cluster.json", fix="remove the cluster with `kvctl down`")
-        return LocalInstance(role, url, log_path, record["pid"], record.get("start_ticks"),
+        return LocalInstance(name, role, url, log_path, record["pid"], record.get("start_ticks"),
                              list(record.get("command") or []), overlay=record.get("overlay"))
+
+    def remove_leftovers(self, cluster: str, records: Iterable[Mapping[str, Any]] = ()) -> list[str]:
+        """Nothing: a server is recorded (by pid) the moment it exists."""
+        return []
+
+    def strays(self, cluster_dir: Path) -> dict[str, LocalInstance]:
+        """The servers (and routers) still running in `cluster_dir` when the state naming them
+        is lost: each leads its own process group there (processes.server_groups_in)."""
+        return {f"process group {pgid}": self.attach(f"process group {pgid}", "", "", cluster_dir / "logs",
+                                                     {"pid": pgid, "start_ticks": process_start_ticks(pgid)})
+                for pgid in server_groups_in(cluster_dir)}

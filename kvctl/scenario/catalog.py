@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.errors import BadInput
-from kvctl.runtime import select_runtime
+from kvctl.runtime import runtime_class, select_runtime
 from kvctl.scenario.schema import Scenario, list_scenarios, load_scenario
 
 # What shows a machine has NVIDIA GPUs: the driver's tool or its device nodes.
@@ -115,7 +115,8 @@ def missing_here(s: Scenario, runtime: str, host: Host) -> list[tuple[str, str]]
         return missing  # the attach file's cluster runs elsewhere; verify reads it from here
     if s.gpus and (why := host.gpus_missing()):
         missing.append(("GPUs", why))
-    if runtime == "docker":
+    traits = runtime_class(runtime)
+    if traits.docker_options:
         for engine in _engines(s):
             ref = s.image or host.default_image(bool(s.gpus), engine)
             if (why := host.image_missing(ref)) is not None:
@@ -126,7 +127,7 @@ def missing_here(s: Scenario, runtime: str, host: Host) -> list[tuple[str, str]]
         for var in dict.fromkeys(re.findall(r"\$\{?(\w+)\}?", value or "")):
             if not host.env.get(var):
                 missing.append((f"${var}", f"{field} {value} uses ${var}, which is not set"))
-    if runtime == "local":
+    if traits.host_rigs:
         for engine in _engines(s):
             if engine != "v0" and (why := host.rig_missing(engine)):
                 missing.append((f"{engine.upper()} rig", why))

@@ -48,7 +48,7 @@ from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec, build_pd_spec
 from kvctl.cluster.state import ATTACHED_RUNTIME, ClusterState, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError
 from kvctl.paths import kvctl_home
-from kvctl.runtime import select_runtime
+from kvctl.runtime import runtime_class, select_runtime
 from kvctl.runtime.docker_options import docker_options
 from kvctl.scenario.schema import Scenario, scenario_path
 from kvctl.store.inspect import StoreReport, inspect_store
@@ -275,7 +275,7 @@ def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
         timeout_s=scenario.timeout,
         prefill_args=tuple(scenario.role("prefill").args), decode_args=tuple(scenario.role("decode").args),
         prefill_env=scenario.role("prefill").env, decode_env=scenario.role("decode").env,
-        docker=_docker_options(scenario) if runtime == "docker" else None,
+        docker=_docker_options(scenario) if runtime_class(runtime).docker_options else None,
         prefill_engine=scenario.role("prefill").engine or scenario.engine,
         decode_engine=scenario.role("decode").engine or scenario.engine)
     counts = {role: scenario.role(role).count for role in ("prefill", "decode")}

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from connectors.config.topology import (
     FS_CONNECTOR,
@@ -43,6 +44,7 @@ from connectors.config.validate import (
 )
 from kvctl.cluster.spec import MAX_POOL, default_kv_config, instance_names
 from kvctl.errors import BadInput
+from kvctl.runtime import DEFAULT_RUNTIME, RUNTIME_CHOICES, requested_runtime_class
 from kvctl.runtime.docker_options import gpu_lists, parse_gpus
 
 CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
@@ -165,7 +167,7 @@ class ClusterRef(_Strict):
 class Scenario(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
     description: str = ""
-    runtime: Literal["local", "docker", "auto"] = "local"
+    runtime: str = DEFAULT_RUNTIME  # one of kvctl.runtime.RUNTIME_CHOICES (checked by _known_runtime)
     engine: Literal["v0", "v1"] = "v0"  # vLLM engine of P and D (a role's `engine` overrides it)
     model: str = Field(default="tiny", min_length=1)  # "tiny", a catalog name, a path, or a hub id
     served_model_name: str | None = None
@@ -183,6 +185,15 @@ class Scenario(_Strict):
     max_tokens: int = Field(default=16, ge=1)
     expectations: Expectations = Field(default_factory=Expectations)
     timeout: float = Field(default=600, gt=0)  # seconds for the cluster to become ready
+
+    @field_validator("runtime")
+    @classmethod
+    def _known_runtime(cls, value: str) -> str:
+        if value not in RUNTIME_CHOICES:  # worded as pydantic words a Literal's error
+            raise PydanticCustomError("literal_error", "Input should be {expected}",
+                                      {"expected": " or ".join(", ".join(repr(c) for c in RUNTIME_CHOICES)
+                                                               .rsplit(", ", 1))})
+        return value
 
     @field_validator("prompts", mode="before")
     @classmethod
@@ -261,7 +272,7 @@ def _sending_names(cfg: dict) -> list[str]:
 ENGINE_FIX = "use v0 or v1 (default v0; a role's engine overrides the scenario's)"
 _FIXES = {
     "name": "use lowercase letters, digits, '.', '_' or '-', e.g. the file name without .yaml",
-    "runtime": "use local, docker or auto",
+    "runtime": f"use {' or '.join(', '.join(RUNTIME_CHOICES).rsplit(', ', 1))}",
     "model": 'use "tiny" (the generated test model), a catalog model (`kvctl model list`), '
              'a model directory, or a hub id',
     "gpus": 'give one device list per instance, prefills first (e.g. ["0", "1"] for 1P1D), '
@@ -431,6 +442,8 @@ def _check_placeholders(s: Scenario) -> list[ConfigProblem]:
 
 def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
     problems: list[ConfigProblem] = []
+    runtime = requested_runtime_class(s.runtime)
+    ignored = f"ignored by the {runtime.name} runtime"
     for role in ("prefill", "decode"):
         spec = s.role(role)
         for i, arg in enumerate(spec.args):
@@ -442,8 +455,8 @@ def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
         if v1 is not None and v1 != "0":
             problems.append(ConfigProblem(f"$.{role}.env.VLLM_USE_V1", f"VLLM_USE_V1={v1}: V0 connectors need V0",
                                           "remove it (kvctl sets VLLM_USE_V1=0)"))
-        if spec.docker_host is not None and s.runtime == "local":
-            problems.append(ConfigProblem(f"$.{role}.docker_host", "ignored by the local runtime",
+        if spec.docker_host is not None and not runtime.docker_options:
+            problems.append(ConfigProblem(f"$.{role}.docker_host", ignored,
                                           "remove it, or use runtime: docker", "warning"))
     if s.gpus is not None:
         counts = (s.prefill.count, s.decode.count)
@@ -452,13 +465,14 @@ def _check_role_specs(s: Scenario) -> list[ConfigProblem]:
             gpu_lists(parse_gpus(s.gpus), names)
         except BadInput as e:
             problems.append(ConfigProblem("$.gpus", e.what, _FIXES["gpus"]))
-        if s.runtime == "local":
-            problems.append(ConfigProblem("$.gpus", "ignored by the local (CPU) runtime",
+        if not runtime.docker_options:
+            problems.append(ConfigProblem("$.gpus", f"ignored by the {runtime.name} (CPU) runtime"
+                                          if runtime.host_rigs else ignored,
                                           "remove it, or use runtime: docker", "warning"))
-    if s.image is not None and s.runtime == "local":
-        problems.append(ConfigProblem("$.image", "ignored by the local runtime",
+    if s.image is not None and not runtime.docker_options:
+        problems.append(ConfigProblem("$.image", ignored,
                                       "remove it, or use runtime: docker", "warning"))
-    if s.runtime != "local" and (s.role("prefill").docker_host or "") != (s.role("decode").docker_host or ""):
+    if runtime.docker_options and (s.role("prefill").docker_host or "") != (s.role("decode").docker_host or ""):
         if s.store is None:
             problems.append(ConfigProblem(
                 "$.store", "P and D run on different docker hosts, but store is a fresh local directory "
