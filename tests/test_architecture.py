@@ -180,3 +180,54 @@ def test_every_package_says_what_lives_there():
         if (ROOT / Path(*name.split(".")) / "__init__.py").exists():
             doc = ast.get_docstring(tree) or ""
             assert len(doc) > 40, f"{name}/__init__.py needs a docstring: what lives there, what it may import"
+
+
+# --- runtimes: callers ask a runtime's declared capabilities, never compare its name ---
+
+from kvctl.runtime import RUNTIMES  # noqa: E402 - the names cluster.json may store
+
+RUNTIME_NAMES = frozenset(RUNTIMES)
+RUNTIME_PACKAGE = "kvctl.runtime"
+NAMED_BY_RUNTIME = {"get_runtime", "runtime_class"}  # calls that pick a runtime by a name
+
+
+def _strings(node: ast.AST) -> set[str]:
+    """The string constants of `node`: itself, or the items of a tuple, list or set."""
+    items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+    return {i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)}
+
+
+def _runtime_name_uses(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, runtime name) of each comparison with a runtime's name (`== "local"`, `in ("docker",
+    ...)`) and each runtime picked by a literal name (`get_runtime("local")`)."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in (node.left, *node.comparators):
+                found += [(node.lineno, n) for n in sorted(_strings(side) & RUNTIME_NAMES)]
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+            if name in NAMED_BY_RUNTIME and node.args:
+                found += [(node.lineno, n) for n in sorted(_strings(node.args[0]) & RUNTIME_NAMES)]
+    return found
+
+
+def test_no_module_outside_the_runtimes_compares_a_runtime_name():
+    offenders = [f"{m}:{line}: {name!r}" for m, tree in MODULES.items()
+                 if m != RUNTIME_PACKAGE and not m.startswith(RUNTIME_PACKAGE + ".")
+                 for line, name in _runtime_name_uses(tree)]
+    assert offenders == []
+
+
+@pytest.mark.parametrize("snippet, names", [
+    ('if state.runtime == "local":\n    pass', ["local"]),
+    ('ok = "docker" != chosen', ["docker"]),
+    ('if name in ("attached", "x"):\n    pass', ["attached"]),
+    ('r = get_runtime("local")', ["local"]),
+    ('r = runtime.runtime_class("docker")', ["docker"]),
+    ('if device == "auto" or kind == "cpu":\n    pass', []),  # not runtime names
+    ('if runtime_class(name).host_rigs:\n    pass', []),  # a capability: the way to ask
+])
+def test_runtime_name_detector_sees_a_planted_comparison(snippet, names):
+    assert [n for _, n in _runtime_name_uses(ast.parse(snippet))] == names
