@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from kvctl.runtime.processes import group_members, is_alive, processes_under
+
 REQUIRE_RIG = os.environ.get("KVCTL_REQUIRE_RIG") == "1"
 
 
@@ -175,46 +177,13 @@ def vllm_slot(shared_dir: Path) -> Iterator[None]:
 
 
 def live_processes_under(root: Path) -> list[str]:
-    """Live (non-zombie) processes whose cwd or command line is inside `root`."""
-    root_s = str(root.resolve())
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-            if stat[stat.rindex(")") + 2] in "ZX":
-                continue
-            cwd = os.readlink(f"/proc/{entry.name}/cwd")
-            cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        if cwd == root_s or cwd.startswith(root_s + "/") or root_s in cmd:
-            found.append(f"{entry.name}: {cmd[:200]}")
-    return found
+    """Live (non-zombie) processes whose cwd or command line is inside `root`: "PID: COMMAND"."""
+    return [f"{pid}: {cmd[:200]}" for pid, cmd in processes_under(root)]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat[stat.rindex(")") + 2] not in "ZX"
-
-
-def group_alive(pgid: int) -> list[int]:
-    """Live members of process group `pgid`."""
-    members = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-            except FileNotFoundError:
-                continue
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[2]) == pgid and fields[0] not in "ZX":
-                members.append(int(entry.name))
-    return members
+# The runtime's own psutil readings: a test asks the same question the runtime does.
+pid_alive = is_alive
+group_alive = group_members
 
 
 class Kvctl:

@@ -25,6 +25,7 @@ from kvctl.cli import main
 from kvctl.cluster.lifecycle import _ensure_name_free, cluster_status, down
 from kvctl.cluster.state import ClusterState, InstanceRecord, LogSource, load_cluster, save_cluster, utc_now
 from kvctl.errors import BadInput
+from kvctl.runtime.processes import processes_under
 from kvctl.scenario.runner import run_scenario
 from kvctl.scenario.schema import Scenario, check_scenario
 from kvctl.verify.cluster_info import NO_LOG_SOURCE, STORE_NOT_VISIBLE, cluster_info, load_cluster_info
@@ -316,16 +317,8 @@ def test_capture_streams_new_lines_only_and_stops_its_command(tmp_path):
 
 
 def _children_running(tmp_path) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry.name}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if str(tmp_path) in cmd and "tail" in cmd and int(entry.name) != os.getpid():
-                found.append(int(entry.name))
-    return found
+    return [pid for pid, cmd in processes_under(tmp_path)
+            if "tail" in cmd and pid != os.getpid()]
 
 
 def test_a_failing_command_makes_that_log_not_observable(tmp_path):

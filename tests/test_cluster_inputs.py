@@ -157,7 +157,7 @@ def test_down_removes_unreadable_state_and_stops_its_servers(kvctl, kvctl_home):
         for p in (server, bystander):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+                p.wait(timeout=10)
 
 
 def test_library_error_names_both_fields(tmp_path, model_dir, kvctl_home):

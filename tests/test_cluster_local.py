@@ -154,7 +154,7 @@ def test_timeout_fails_launch_and_replaces_stale_state(kvctl, kvctl_home, rig_py
                                                       vllm_slot):
     # Stale state under the same name (its process is long gone) must not block a launch.
     dead = subprocess.Popen(["true"])
-    dead.wait()
+    dead.wait(timeout=10)
     save_cluster(ClusterState("slow", "local", str(tiny_model), "m", str(kvctl_home / "s"), utc_now(), {
         "prefill": InstanceRecord("prefill", "http://127.0.0.1:1", str(kvctl_home / "x.log"), None,
                                   str(kvctl_home), {"pid": dead.pid, "start_ticks": 1})}))
@@ -273,7 +273,7 @@ def test_down_never_kills_a_recycled_pid(kvctl, kvctl_home):
         assert pid_alive(proc.pid) and len(group_alive(proc.pid)) >= 2
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=10)
 
 
 def test_logs_tail_and_follow_until_the_server_exits(kvctl, kvctl_home):

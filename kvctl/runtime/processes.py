@@ -1,62 +1,79 @@
-"""Processes on this host, read from /proc (Linux): is it alive, is it still ours, its group.
+"""Processes on this host, through psutil: is it alive, is it still ours, its group.
 
 The local runtime's servers and the docker runtime's log followers each run
 in their own session (start_new_session), so a process group id equals the
-leader's pid. A record keeps the leader's start time (`process_start_ticks`)
-next to its pid, so a recycled pid is never mistaken for ours.
+leader's pid. A record keeps the leader's start time (`process_start_ticks`,
+clock ticks after boot, as /proc/PID/stat counts them) next to its pid, so a
+recycled pid is never mistaken for ours. Zombies count as gone: PID 1 here
+may never reap them.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 
-def _proc_stat(pid: int) -> tuple[str, int, int] | None:
-    """(state, pgrp, start_ticks) of a process, or None if it does not exist."""
+_GONE = (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def _live(proc: psutil.Process) -> bool:
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-    fields = raw[raw.rindex(")") + 2:].split()
-    return fields[0], int(fields[2]), int(fields[19])
-
-
-def _is_live(state: str) -> bool:
-    return state not in ("Z", "X")  # zombies are dead; PID 1 here may never reap them
+        return proc.status() not in _GONE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+    except psutil.AccessDenied:
+        return True  # it exists; we may not look inside
 
 
 def is_alive(pid: int) -> bool:
     """True while process `pid` exists and is not a zombie."""
-    stat = _proc_stat(pid)
-    return stat is not None and _is_live(stat[0])
+    try:
+        return _live(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
 
 
 def process_start_ticks(pid: int) -> int | None:
     """When `pid` started (clock ticks after boot), or None if it does not exist."""
-    stat = _proc_stat(pid)
-    return stat[2] if stat else None
+    try:
+        created = psutil.Process(pid).create_time()  # boot time + ticks / CLK_TCK
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    return round((created - psutil.boot_time()) * _CLOCK_TICKS)
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def _live_processes(attrs: list[str]) -> Iterator[psutil.Process]:
+    for proc in psutil.process_iter(attrs):
+        if proc.info.get("status") not in _GONE:
+            yield proc
 
 
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes in process group `pgid`."""
-    if not Path("/proc/self/stat").exists():  # no procfs: ask the kernel about the group
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except ProcessLookupError:
-            return []
-        except PermissionError:
-            return [pgid]
-    members = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        stat = _proc_stat(int(entry.name))
-        if stat and stat[1] == pgid and _is_live(stat[0]):
-            members.append(int(entry.name))
-    return members
+    return sorted(p.pid for p in _live_processes(["status"]) if _pgid(p.pid) == pgid)
+
+
+def processes_under(root: Path) -> list[tuple[int, str]]:
+    """(pid, command line) of the live processes whose working directory or command line is
+    inside `root` (a test's or a cluster's directory)."""
+    root_s = os.path.realpath(root)
+    found = []
+    for p in _live_processes(["status", "cwd", "cmdline"]):
+        cwd, cmd = p.info.get("cwd") or "", " ".join(p.info.get("cmdline") or [])
+        if cwd == root_s or cwd.startswith(root_s + os.sep) or root_s in cmd:
+            found.append((p.pid, cmd))
+    return found
 
 
 def server_groups_in(cwd: Path) -> list[int]:
@@ -67,19 +84,12 @@ def server_groups_in(cwd: Path) -> list[int]:
     them. Only processes whose command line names vLLM (or the router) count: a shell that
     happens to sit in that dir is not ours.
     """
-    found: set[int] = set()
     target = os.path.realpath(cwd)
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        pid = int(entry.name)
-        try:
-            if os.readlink(f"/proc/{pid}/cwd") != target:
-                continue
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        stat = _proc_stat(pid)
-        if (b"vllm" in cmdline or b"kvctl.router" in cmdline) and stat and _is_live(stat[0]):
-            found.add(stat[1])
+    found: set[int] = set()
+    for p in _live_processes(["status", "cwd", "cmdline"]):
+        cmd = " ".join(p.info.get("cmdline") or [])
+        if p.info.get("cwd") == target and ("vllm" in cmd or "kvctl.router" in cmd):
+            pgid = _pgid(p.pid)
+            if pgid is not None:
+                found.add(pgid)
     return sorted(found)
