@@ -3,6 +3,11 @@
 Commands live in `kvctl.commands.<area>` (one module per area, each with a
 `register(app)`); they parse options, call one library function and hand the
 result to a renderer in `kvctl.views.output`. Errors are caught only here.
+
+How an error is reported (kvctl.frontend.run) follows the options the parser
+saw: `--json` (an error is also one JSON object on stdout) and `--debug` (a
+traceback), an option of the root and of every command. An option's value
+that reads `--json` (a prompt) is a value, not the option.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ import sys
 import typer
 
 from kvctl.commands import register_all
-from kvctl.errors import ExitCode, KvctlError
-from kvctl.views.output import Output
+from kvctl.frontend import DEBUG_OPT, cli_flag, run
+
+__all__ = ["app", "cli_flag", "main"]
 
 app = typer.Typer(
     name="kvctl",
@@ -26,7 +32,7 @@ register_all(app)
 
 
 @app.callback()
-def _root() -> None:
+def _root(debug: bool = DEBUG_OPT) -> None:
     """Launch, verify, inspect and tear down P/D-disaggregated vLLM clusters.
 
     Add --debug to any command to see tracebacks.
@@ -41,46 +47,12 @@ def version() -> None:
     typer.echo(__version__)
 
 
-def cli_flag(field: str) -> str:
-    """The CLI spelling of a library field: `max_tokens` -> `--max-tokens`.
-
-    Every option is named after the field it sets, so one rule serves all
-    commands; scenario files map fields to their own paths (kvctl.scenario).
-    """
-    return "--" + field.replace("_", "-")
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point. Returns (and exits with) an ExitCode."""
-    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
-    args = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--debug"]
-    out = Output.for_args(args)
-    try:
-        # Without standalone mode, click returns a command's typer.Exit code instead of raising.
-        result = app(args=args, prog_name="kvctl", standalone_mode=False)
-        code = result if isinstance(result, int) else ExitCode.OK
-        if code == ExitCode.INTERRUPTED:  # a command that cleaned up after Ctrl-C itself
-            out.stderr.print("[yellow]interrupted[/yellow]")
-    except KvctlError as e:
-        out.error(e.locate(cli_flag))
-        if debug:
-            raise
-        code = e.exit_code
-    except (KeyboardInterrupt, typer.Abort):
-        out.stderr.print("[yellow]interrupted[/yellow]")
-        code = ExitCode.INTERRUPTED
-    except typer.Exit as e:  # raised by commands to report a check result
-        code = ExitCode(e.exit_code) if e.exit_code in iter(ExitCode) else e.exit_code
-    except typer.TyperException as e:  # usage errors: unknown option, bad value
-        show = getattr(e, "show", None)
-        if show:
-            show(file=sys.stderr)
-        else:
-            out.stderr.print(f"error: {e.format_message()}", markup=False)
-        code = ExitCode.BAD_INPUT
+    """Console-script entry point. Returns (and exits with, when run from argv) an ExitCode."""
+    code = run(app, list(sys.argv[1:] if argv is None else argv), "kvctl")
     if argv is None:
-        sys.exit(int(code))
-    return int(code)
+        sys.exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -81,11 +81,14 @@ def test_docker_containers_get_the_key_in_their_environment(kvctl_home, model_di
 
 
 def test_the_router_reads_its_key_where_kvctl_puts_it(monkeypatch):
-    from kvctl.router.__main__ import parser
+    import typer
+
+    from kvctl.router.__main__ import serve_cmd, single_command_app  # what `python -m kvctl.router` runs
 
     monkeypatch.setenv(ROUTER_API_KEY_ENV, "k-env")
-    args = parser().parse_args(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"])
-    assert args.api_key == "k-env"
+    ctx = typer.main.get_command(single_command_app(serve_cmd)).make_context(
+        "router", ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", "0"])
+    assert ctx.params["api_key"] == "k-env"
 
 
 # ---------------------------------------------------------------- the state

@@ -793,9 +793,9 @@ def test_router_process_bad_arguments(args, flag):
 
 
 def test_bench_reports_added_latency(capsys):
-    from kvctl.router import bench
+    from kvctl.cli import main
 
-    assert bench.main(["--requests", "5", "--warmup", "1", "--json"]) == 0
+    assert main(["bench", "router", "--requests", "5", "--warmup", "1", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     for mode in ("non_streamed", "streamed"):
         rows = report["modes"][mode]

@@ -1,9 +1,9 @@
 """Faults under load: `kvctl launch pd --prefill 2 --decode 2`, kill -9 one D, then one P.
 
 Four real vLLM V0 servers from the CPU rig and the real router process. For each
-victim, `python -m kvctl.bench.faults` sends 40 chat completions through the
-endpoint at concurrency 4 and kills the victim's process group while it has
-requests in flight. Asserted, as issue 13's "Faults" asks: the requests that
+victim, `kvctl bench faults` sends 40 chat completions through the endpoint at
+concurrency 4 and kills the victim (its runtime: SIGKILL to its process group)
+while it has requests in flight. Asserted, as issue 13's "Faults" asks: the requests that
 fail are the ones the router had sent to the victim before it noticed, each
 with an OpenAI-style JSON error naming it; the router stops choosing it within
 a few seconds (the recovery time) and never chooses it again; every later
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 from e2e_helpers import launched_by_cli
@@ -38,8 +37,8 @@ def cluster(tmp_path_factory, shared_dir, rig_python, tiny_model):
 
 @pytest.mark.parametrize("victim, survivor", [("decode-1", "decode-0"), ("prefill-1", "prefill-0")])
 def test_kill_9_under_load(cluster, tmp_path, victim, survivor):
-    r = subprocess.run([sys.executable, "-m", "kvctl.bench.faults", "faults", "--kill", victim,
-                        "--requests", str(REQUESTS), "--concurrency", str(CONCURRENCY), "--json"],
+    r = subprocess.run(cluster.argv("bench", "faults", "faults", "--kill", victim, "--requests", str(REQUESTS),
+                                    "--concurrency", str(CONCURRENCY), "--json"),
                        env=cluster.env, capture_output=True, text=True, timeout=MEASURE_TIMEOUT_S)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)

@@ -11,7 +11,7 @@ Modules:
     serve.py    no torch: `vllm bench serve` (a subprocess) against the P/D endpoint and a
                 plain vLLM server, side by side; the store fraction from D's logs
     faults.py   no torch: kill -9 one instance of a pool under load through the router
-                (failed requests, recovery time, wrong answers); `python -m kvctl.bench.faults`
+                (failed requests, recovery time, wrong answers); `kvctl bench faults`
 
 The rich tables are kvctl.views.bench; only the rig-side entry points print (their JSON).
 

@@ -1,6 +1,6 @@
 """Fault figures: kill -9 one instance of a running xPyD cluster under load through its router.
 
-    python -m kvctl.bench.faults NAME --kill decode-1 [--requests 40] [--concurrency 4]
+    kvctl bench faults NAME --kill decode-1 [--requests 40] [--concurrency 4]
         [--max-tokens 16] [--json]
 
 What it does, on a cluster kvctl launched (it kills one of its servers, so never
@@ -16,7 +16,7 @@ on one that serves anyone else):
    SIGKILL to a local server's process group, to a container's server);
 4. the router's view is polled until it marks the victim unhealthy.
 
-Reported (`measure_fault` returns it; `--json` prints it):
+Reported (`measure_fault` returns it; kvctl.views.router renders it, `--json` as one object):
 
     failed             requests that did not get a 200 answer
     failed_in_flight   of those, the ones sent while the router still chose the victim
@@ -37,17 +37,14 @@ A cluster launched with an API key: every request (baselines, load, the router's
 /metrics and /kvctl/instances) carries `Authorization: Bearer KEY`, the key from
 the cluster's `api_key` file (kvctl.cluster.state.cluster_api_key).
 
-A front end as well as a library: `main` prints its report; `measure_fault`
-only returns it.
+Library code: nothing here prints.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -58,7 +55,7 @@ import httpx
 
 from kvctl.client import SEED_TOP_P, VLLMClient, auth_headers, user_messages
 from kvctl.cluster.state import ClusterState, cluster_api_key, load_cluster
-from kvctl.errors import BadInput, KvctlError, RuntimeFailure
+from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.runtime import Instance, get_runtime
 from kvctl.verify.load_mode import generate_prompts
 
@@ -264,32 +261,3 @@ def _names(body: str, victim: str) -> bool:
         return False
     return isinstance(error, dict) and victim in str(error.get("message", "")) \
         and error.get("instance") in (None, victim)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvctl.bench.faults", description=__doc__.split("\n")[0])
-    parser.add_argument("name", help="a cluster kvctl launched (a pool of the victim's role)")
-    parser.add_argument("--kill", required=True, help="the instance to kill -9, e.g. decode-1")
-    parser.add_argument("--requests", type=int, default=REQUESTS)
-    parser.add_argument("--concurrency", type=int, default=CONCURRENCY)
-    parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    try:
-        report = measure_fault(args.name, args.kill, args.requests, args.concurrency, args.max_tokens)
-    except KvctlError as e:
-        e.locate(lambda f: "--" + f.replace("_", "-"))
-        print(f"error: {e.message}", file=sys.stderr)
-        return int(e.exit_code)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        for key in ("victim", "requests", "concurrency", "outstanding_at_kill", "succeeded", "failed",
-                    "failed_in_flight", "failed_later", "errors_name_victim", "recovery_s",
-                    "chosen_after_down", "wrong_answers"):
-            print(f"{key:<22} {report[key]}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

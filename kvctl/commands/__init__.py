@@ -7,7 +7,8 @@ import importlib
 import typer
 
 # Areas in the order `kvctl --help` lists them.
-AREAS = ("rig", "model", "cluster", "attach", "verify", "store", "validate", "scenario", "bench", "image", "render")
+AREAS = ("rig", "model", "cluster", "attach", "verify", "store", "validate", "scenario", "bench", "router", "image",
+         "render")
 
 
 def register_all(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
-"""`kvctl bench store|layout|ttft|all|serve`: side-by-side performance ratios."""
+"""`kvctl bench store|layout|ttft|all|serve`: side-by-side performance ratios; `kvctl bench faults|router`:
+the router under a kill and its added latency."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ from typing import Optional
 import typer
 from rich.markup import escape
 
-from kvctl.bench import report, serve, suite
+from kvctl.bench import faults, report, serve, suite
 from kvctl.bench.common import check_repeat, parse_sizes
 from kvctl.errors import BadInput
+from kvctl.router import bench as router_bench
 from kvctl.options import json_option
 from kvctl.views.bench import progress_printer, render_results
 from kvctl.views.bench_serve import render_serve
 from kvctl.views.output import Output
+from kvctl.views.router import render_faults, render_router_bench
 
 bench_app = typer.Typer(
     help="Benchmarks, reported as ratios of figures measured side by side in one run "
@@ -177,3 +180,37 @@ def serve_cmd(
                        fix=f"pass e.g. {serve.CONCURRENCY} (0: no cap, with --request-rate)")
     result = serve.run_serve_bench(cluster or name or "default", opts, progress_printer(out))
     render_serve(out, result)
+
+
+@bench_app.command("faults")
+def faults_cmd(
+    name: str = typer.Argument(..., metavar="NAME", help="A cluster kvctl launched, with a pool of two or more "
+                                                         "of the victim's role (`kvctl launch pd`)."),
+    kill: str = typer.Option(..., "--kill", metavar="INSTANCE", help="The instance to kill -9, e.g. decode-1."),
+    requests: int = typer.Option(faults.REQUESTS, "--requests", help="Chat completions sent through the router."),
+    concurrency: int = typer.Option(faults.CONCURRENCY, "--concurrency", help="Clients sending at once."),
+    max_tokens: int = typer.Option(faults.MAX_TOKENS, "--max-tokens", help="Tokens per answer."),
+    json_out: bool = json_option("Print one JSON object (the figures) on stdout."),
+) -> None:
+    """Kill one instance of a running xPyD cluster under load through its router; how the router copes.
+
+    Its runtime kills the victim (SIGKILL) once a quarter of the requests are done
+    and it has requests in flight. Reported: the failures (in flight on the
+    victim, or later: must be 0), whether each error names the victim, the
+    recovery time until the router marked it down, requests it sent there
+    afterwards (must be 0) and wrong answers (must be 0). It kills a server:
+    never run it on a cluster that serves anyone else.
+    """
+    out = Output(json_mode=json_out)
+    render_faults(out, faults.measure_fault(name, kill, requests, concurrency, max_tokens))
+
+
+@bench_app.command("router")
+def router_cmd(
+    requests: int = typer.Option(router_bench.REQUESTS, "--requests", help="Measured requests per path and mode."),
+    warmup: int = typer.Option(router_bench.WARMUP, "--warmup", help="Unmeasured requests first."),
+    json_out: bool = json_option("Print one JSON object (per mode: direct_ms, router_ms, added_ms) on stdout."),
+) -> None:
+    """The router's added latency per request, against instant fake P and D servers (p50/p99/mean)."""
+    out = Output(json_mode=json_out)
+    render_router_bench(out, router_bench.measure(requests, warmup))

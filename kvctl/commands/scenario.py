@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from kvctl.errors import BadInput
-from kvctl.options import JSON_OPT
+from kvctl.options import JSON_OPT, json_option
 from kvctl.runtime import requested_runtime_class
 from kvctl.scenario.catalog import describe_shipped
 from kvctl.scenario.runner import run_scenario, write_scenario_junit
@@ -38,7 +38,7 @@ def list_cmd(json_out: bool = JSON_OPT) -> None:
 
 def run_cmd(
     target: str = typer.Argument(..., metavar="NAME|FILE", help="A shipped scenario's name or a YAML file."),
-    json_out: bool = typer.Option(False, "--json", help="Print one JSON object (the report) on stdout."),
+    json_out: bool = json_option("Print one JSON object (the report) on stdout."),
     junit_xml: Path | None = typer.Option(None, "--junit-xml", help="Also write JUnit XML here."),
     keep: bool = typer.Option(False, "--keep", help="Keep the store and server logs (servers still stop)."),
     engine: str | None = typer.Option(

@@ -16,12 +16,16 @@ to the client as it arrives. See docs/router.md.
     metrics.py    counters and latency histograms, rendered as Prometheus text; pure
     health.py     the background health checker (GET /health on every instance)
     app.py        create_app(config) -> aiohttp Application, and start_router/serve
-    __main__.py   `python -m kvctl.router --prefill URL --decode URL --port N ...`
-    bench.py      the router's added latency against fake P/D servers (p50/p99)
+    __main__.py   `python -m kvctl.router --prefill URL --decode URL --port N ...`: the
+                  front end `kvctl router serve` (kvctl.commands.router), alone
+    bench.py      the router's added latency against fake P/D servers (p50/p99;
+                  `kvctl bench router`)
+    fakes.py      `python -m kvctl.router.fakes PORT...`: those instant fake servers
 
-May import: aiohttp, `kvctl.errors` (`bench` also `kvctl.net`). Never torch or vLLM (it runs in kvctl's light
-venv), never a command, a view, the cluster, verify or scenario packages (they
-start and drive the router; it knows nothing of them). Library code: nothing here
-prints except the `__main__` and `bench` front ends; errors name fields (`prefill`,
-`port`), never command-line flags.
+May import: aiohttp, `kvctl.errors` (`bench` also `kvctl.net`; `fakes` typer). Never torch or vLLM (it
+runs in kvctl's light venv), never a command, a view, the cluster, verify or scenario
+packages (they start and drive the router; it knows nothing of them), except the
+`__main__` entry point, which runs its command (kvctl.commands.router through
+kvctl.frontend). Library code: nothing here prints (fakes says `ready` to its
+parent); errors name fields (`prefill`, `port`), never command-line flags.
 """

@@ -1,22 +1,20 @@
 """The router's added latency per request, against instant fake P and D servers.
 
-    python -m kvctl.router.bench [--requests 500] [--warmup 50] [--json]
+    kvctl bench router [--requests 500] [--warmup 50] [--json]
 
-Three processes: fake P and D servers (this module with `serve-fakes`: answer at
+Three processes: fake P and D servers (`python -m kvctl.router.fakes`: answer at
 once, like a vLLM server with nothing to compute), the real router
 (`python -m kvctl.router`), and this client (httpx, keep-alive). For each request
 the client goes (a) directly, as a client without a router would: P with
 max_tokens=1, then D; and (b) through the router, alternating a and b so that
 drift hits both alike. Reported per mode (non-streamed; streamed, 16 SSE events,
 read to the end): p50/p99/mean of each path and of the per-request difference,
-the router's added latency. A front end: it prints its report.
+the router's added latency. Library code: `measure` returns the report
+(kvctl.views.router renders it).
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
 import statistics
 import subprocess
 import sys
@@ -25,49 +23,14 @@ import time
 from collections.abc import Callable
 
 import httpx
-from aiohttp import web
 
 from kvctl.net import NotHealthy, free_ports, wait_healthy
 from kvctl.router.bodies import encode, prefill_request
 
-MODULE = "kvctl.router.bench"
-STREAM_EVENTS = 16
-
-
-# --- the fakes (their own process) ---
-
-async def _fake_completion(request: web.Request) -> web.StreamResponse:
-    body = await request.json()
-    base = {"id": "chatcmpl-" + request.headers.get("X-Request-Id", "x"), "object": "chat.completion",
-            "created": 1, "model": body.get("model")}
-    if not body.get("stream"):
-        return web.json_response({**base, "choices": [{"index": 0, "finish_reason": "length",
-                                                       "message": {"role": "assistant", "content": "ok " * 8}}]})
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-    await resp.prepare(request)
-    for _ in range(STREAM_EVENTS):
-        chunk = {**base, "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "ok "}}]}
-        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await resp.write(b"data: [DONE]\n\n")
-    return resp
-
-
-async def _health(request: web.Request) -> web.Response:
-    return web.Response()
-
-
-async def _serve_fakes(ports: list[int]) -> None:
-    runners = []
-    for port in ports:
-        app = web.Application()
-        app.router.add_get("/health", _health)
-        app.router.add_post("/v1/chat/completions", _fake_completion)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        runners.append(runner)
-    print("ready", flush=True)
-    await asyncio.Event().wait()
+FAKES_MODULE = "kvctl.router.fakes"
+ROUTER_MODULE = "kvctl.router"
+REQUESTS = 500  # measured requests per path and mode
+WARMUP = 50  # unmeasured requests first
 
 
 # --- the measurement ---
@@ -135,11 +98,11 @@ def measure(requests: int, warmup: int) -> dict:
     p_port, d_port, r_port = free_ports(3)
     p_url, d_url, r_url = (f"http://127.0.0.1:{p}" for p in (p_port, d_port, r_port))
     with tempfile.TemporaryFile() as router_log:  # the router logs a line per request, as in use
-        fakes = subprocess.Popen([sys.executable, "-m", MODULE, "serve-fakes", str(p_port), str(d_port)],
+        fakes = subprocess.Popen([sys.executable, "-m", FAKES_MODULE, str(p_port), str(d_port)],
                                  stdout=subprocess.PIPE, text=True)
         assert fakes.stdout is not None
         fakes.stdout.readline()  # "ready": the router's first health check finds them up
-        router = subprocess.Popen([sys.executable, "-m", "kvctl.router", "--prefill", p_url,
+        router = subprocess.Popen([sys.executable, "-m", ROUTER_MODULE, "--prefill", p_url,
                                    "--decode", d_url, "--port", str(r_port)],
                                   stdout=router_log, stderr=router_log)
         try:
@@ -152,32 +115,3 @@ def measure(requests: int, warmup: int) -> dict:
             for proc in (router, fakes):
                 proc.terminate()
                 proc.wait(10)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="cmd")
-    fakes = sub.add_parser("serve-fakes", help="(internal) serve instant fake P/D servers")
-    fakes.add_argument("ports", type=int, nargs="+")
-    parser.add_argument("--requests", type=int, default=500, help="measured requests per path and mode")
-    parser.add_argument("--warmup", type=int, default=50, help="unmeasured requests first")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    args = parser.parse_args(argv)
-    if args.cmd == "serve-fakes":
-        asyncio.run(_serve_fakes(args.ports))
-        return 0
-    report = measure(args.requests, args.warmup)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"router added latency, {args.requests} requests per path (fake P/D answering at once)")
-    print(f"{'mode':<14}{'path':<10}{'p50 ms':>9}{'p99 ms':>9}{'mean ms':>9}")
-    for mode, rows in report["modes"].items():
-        for name, key in (("direct", "direct_ms"), ("router", "router_ms"), ("added", "added_ms")):
-            s = rows[key]
-            print(f"{mode:<14}{name:<10}{s['p50']:>9.3f}{s['p99']:>9.3f}{s['mean']:>9.3f}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

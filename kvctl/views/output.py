@@ -22,10 +22,6 @@ class Output:
     stdout: Console = field(default_factory=lambda: Console(soft_wrap=True))
     stderr: Console = field(default_factory=lambda: Console(stderr=True, soft_wrap=True))
 
-    @classmethod
-    def for_args(cls, args: list[str]) -> "Output":
-        return cls(json_mode="--json" in args)
-
     def emit_json(self, obj: Any) -> None:
         """The one JSON object of a --json run, on stdout."""
         sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
