@@ -404,3 +404,22 @@ def test_scenario_without_a_visible_store_reports_inspect_not_observable(home, s
                           source=str(tmp_path / "scenario.yaml"))
     assert strict.phases["inspect"].status == "failed" and not strict.passed
     assert not (home / "clusters" / "attached-smoke").exists()
+
+
+def test_an_attached_cluster_is_never_killed_or_stopped(kvctl_home):
+    """The attached runtime starts nothing, so the fault bench and an instance's kill/stop refuse it."""
+    from kvctl.bench.faults import measure_fault
+    from kvctl.cluster.lifecycle import instance
+
+    records = {n: InstanceRecord(n.rpartition("-")[0], "http://127.0.0.1:9", "", None, "", {}, "")
+               for n in ("prefill-0", "prefill-1", "decode-0")}
+    save_cluster(ClusterState(name="att", runtime="attached", model="m", served_model_name="m", store=None,
+                              created=utc_now(), managed=False, endpoint="http://127.0.0.1:9", instances=records))
+    with pytest.raises(BadInput) as e:
+        measure_fault("att", "prefill-1")
+    assert e.value.fields == ("kill",) and "not a server kvctl started" in e.value.what
+    inst = instance("att", "prefill-1")
+    assert (inst.name, inst.role) == ("prefill-1", "prefill")
+    for act in (inst.kill, inst.stop):
+        with pytest.raises(BadInput, match="was not started by kvctl"):
+            act()

@@ -23,9 +23,10 @@ import pytest
 from conftest import group_alive, live_processes_under, pid_alive
 
 from kvctl.cluster.spec import build_1p1d_spec
-from kvctl.cluster.state import ClusterState, InstanceRecord, save_cluster, utc_now
+from kvctl.cluster.state import ClusterState, InstanceRecord, load_cluster, save_cluster, utc_now
 from kvctl.cluster.lifecycle import down, running_cluster
 from kvctl.net import free_ports
+from kvctl.runtime import get_runtime
 from kvctl.runtime.processes import process_start_ticks
 
 
@@ -274,6 +275,36 @@ def test_down_never_kills_a_recycled_pid(kvctl, kvctl_home):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
+
+
+def test_kill_sigkills_the_whole_group_at_once_and_never_a_recycled_pid(kvctl_home):
+    """Instance.kill (what the fault bench injects): SIGKILL to the process group, no grace."""
+    stubborn = _spawn_group("trap '' TERM; sleep 300 & sleep 300; wait")  # only SIGKILL ends it
+    other = _spawn_group("sleep 300 & sleep 300; wait")
+    try:
+        _save_fake(kvctl_home, "victim", {"prefill": stubborn})
+        state = load_cluster("victim")
+        rec = state.instances["prefill"]
+        runtime = get_runtime(state.runtime)
+        inst = runtime.attach("prefill", rec.role, rec.url, Path(rec.log_path), rec.runtime_fields)
+        assert (inst.name, inst.role) == ("prefill", "prefill")
+        t0 = time.monotonic()
+        inst.kill()
+        assert stubborn.wait(timeout=5) == -signal.SIGKILL and time.monotonic() - t0 < 5  # no SIGTERM grace
+        deadline = time.monotonic() + 5
+        while group_alive(stubborn.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert group_alive(stubborn.pid) == []
+        recycled = runtime.attach("decode", "decode", "", Path(rec.log_path),
+                                  {"pid": other.pid, "start_ticks": process_start_ticks(other.pid) - 1})
+        recycled.kill()  # the pid is "someone else's" now: left alone
+        time.sleep(0.2)
+        assert len(group_alive(other.pid)) >= 2
+    finally:
+        for p in (stubborn, other):
+            if group_alive(p.pid):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
 
 
 def test_logs_tail_and_follow_until_the_server_exits(kvctl, kvctl_home):
