@@ -142,31 +142,16 @@ def test_attach_without_a_visible_store_reports_its_check_not_observable(src):
 @e2e
 def test_verify_through_the_router_endpoint(src):
     """Requests through kvctl's router in front of the same P and D, checked like direct ones."""
-    import socket
-    import subprocess
-    import sys
-    import time
+    from kvctl.cluster.router_process import router_instance, start_router
+    from kvctl.net import free_ports
 
     kvctl, state = src
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    router = subprocess.Popen([sys.executable, "-m", "kvctl.router", "--port", str(port),
-                               "--prefill", f"prefill={state['instances']['prefill']['url']}",
-                               "--decode", f"decode={state['instances']['decode']['url']}"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    endpoint = f"http://127.0.0.1:{port}"
+    p, d = state["instances"]["prefill"], state["instances"]["decode"]
+    # kvctl's own router start (it waits, bounded, for /health), as a launch does
+    record = start_router({"prefill": ("prefill", p["url"]), "decode": ("decode", d["url"])},
+                          kvctl.home / "routed-router", free_ports(1)[0])
+    endpoint = record["url"]
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{endpoint}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, "the router did not come up"
-            time.sleep(0.2)
-        p, d = state["instances"]["prefill"], state["instances"]["decode"]
         r = kvctl("attach", "routed", "--prefill", p["url"], "--decode", d["url"], "--prefill-log", p["log_path"],
                   "--decode-log", d["log_path"], "--store", state["store"], "--endpoint", endpoint)
         assert r.rc == 0, r
@@ -177,5 +162,4 @@ def test_verify_through_the_router_endpoint(src):
         assert report["passed"] is True and report["not_observable"] == {}
         assert kvctl("detach", "routed").rc == 0
     finally:
-        router.terminate()
-        router.wait(10)
+        router_instance(record).stop(10.0)

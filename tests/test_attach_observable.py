@@ -157,40 +157,23 @@ def test_attached_scenario_requires_what_it_says(servers, tmp_path):
 @pytest.fixture
 def routed(tmp_path, monkeypatch):
     """Two fake Ps and two fake Ds on one store, behind a real `python -m kvctl.router`."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    import httpx
+    from kvctl.cluster.router_process import router_instance, start_router
+    from kvctl.net import free_ports
 
     monkeypatch.setenv("KVCTL_HOME", str(tmp_path / "home"))
     store = tmp_path / "store"
     store.mkdir()
     fakes = {f"{role}-{i}": FakeInstance(role, store, tmp_path / f"{role}-{i}.log")
              for role in ("prefill", "decode") for i in range(2)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [sys.executable, "-m", "kvctl.router", "--port", str(port), "--health-interval", "0.2"]
-    for name, fake in fakes.items():
-        args += [f"--{fake.role}", f"{name}={fake.url}"]
-    router = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and router.poll() is None, "the router did not come up"
-            time.sleep(0.1)
-        yield url, fakes, store
+        # kvctl's own router start (it waits, bounded, for /health), as a launch does
+        record = start_router({name: (fake.role, fake.url) for name, fake in fakes.items()}, tmp_path / "router",
+                              free_ports(1)[0], health_interval_s=0.2)
+        try:
+            yield record["url"], fakes, store
+        finally:
+            router_instance(record).stop(10.0)
     finally:
-        router.terminate()
-        router.wait(10)
         for fake in fakes.values():
             fake.close()
 

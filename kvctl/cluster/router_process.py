@@ -44,13 +44,15 @@ ROUTER_READY_S = 60.0  # the router is up in about a second; its /health waits f
 
 def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int,
                  host: str = DEFAULT_HOST, api_key: str | None = None,
-                 kv_transfer_params: bool = False) -> dict[str, Any]:
+                 kv_transfer_params: bool = False,
+                 health_interval_s: float | None = None) -> dict[str, Any]:
     """Start the router for `instances` ({name: (role, url)}) and wait until it is healthy.
 
     `api_key`: the router requires `Authorization: Bearer KEY` on /v1/* (None: no key,
     even when kvctl's own environment has a $KVCTL_ROUTER_API_KEY).
     `kv_transfer_params`: the handshake NIXL needs (`--kv-transfer-params`; the caller
     asks connectors.config.topology.handshake_connector).
+    `health_interval_s`: seconds between its /health checks (None: the router's default).
 
     Returns its record: url, pid, start_ticks, command, log_path. Raises
     RuntimeFailure (with the router's log tail) when it exits or stays
@@ -59,6 +61,8 @@ def start_router(instances: Mapping[str, tuple[str, str]], cdir: Path, port: int
     argv = [sys.executable, "-m", ROUTER_MODULE, "--host", host, "--port", str(port)]
     if kv_transfer_params:
         argv.append("--kv-transfer-params")
+    if health_interval_s is not None:
+        argv += ["--health-interval", f"{health_interval_s:g}"]
     for name, (role, url) in sorted(instances.items()):
         argv += [f"--{role}", f"{name}={url}"]
     log_path = cdir / "logs" / "router.log"
