@@ -35,6 +35,9 @@ class ChatResult:
     finish_reason: str | None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
     headers: dict[str, str] = field(repr=False, default_factory=dict)  # the answer's HTTP headers (lowercase)
+    # per generated token, the server's best candidates as (token id, logprob), best first;
+    # None unless asked for (chat(top_logprobs=N)) and given
+    top_logprobs: list[list[tuple[int, float]]] | None = field(repr=False, default=None)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:
@@ -88,15 +91,17 @@ class VLLMClient:
         return [int(t) for t in tokens]
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
-             top_p: float = SEED_TOP_P, headers: dict[str, str] | None = None) -> ChatResult:
+             top_p: float = SEED_TOP_P, headers: dict[str, str] | None = None,
+             top_logprobs: int = 0) -> ChatResult:
         """One non-streaming chat completion; latency is the whole HTTP round trip.
 
         `headers` go with the request (e.g. X-Request-Id); the answer's come back in `headers`.
+        `top_logprobs` > 0 also asks for that many best candidates per token (`top_logprobs`).
         """
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p,
                 # token ids for exact comparison; logprobs do not change greedy picks
-                "logprobs": True, "top_logprobs": 0, "return_tokens_as_token_ids": True}
+                "logprobs": True, "top_logprobs": top_logprobs, "return_tokens_as_token_ids": True}
         start = time.perf_counter()
         answer: dict[str, str] = {}
         data = self._json("POST", "/v1/chat/completions", body, headers, answer)
@@ -112,7 +117,8 @@ class VLLMClient:
         return ChatResult(text=text, token_ids=token_ids, token_strs=token_strs, latency_s=latency,
                           request_id=str(data.get("id", "")),
                           prompt_tokens=(data.get("usage") or {}).get("prompt_tokens"),
-                          finish_reason=choice.get("finish_reason"), raw=data, headers=answer)
+                          finish_reason=choice.get("finish_reason"), raw=data, headers=answer,
+                          top_logprobs=_top_logprobs(choice.get("logprobs")) if top_logprobs else None)
 
     def complete_tokens(self, prompt: list[int], max_tokens: int) -> ChatResult:
         """One non-streaming greedy /v1/completions on prompt token ids (no chat template,
@@ -193,3 +199,23 @@ def _tokens_from_logprobs(logprobs: dict | None) -> tuple[list[int] | None, list
         raw = item.get("bytes")
         strs.append(bytes(raw).decode("utf-8", errors="replace") if raw is not None else "")
     return ids, strs
+
+
+def _top_logprobs(logprobs: dict | None) -> list[list[tuple[int, float]]] | None:
+    """Per token, its `top_logprobs` candidates as (id, logprob), best first; None if absent."""
+    content = (logprobs or {}).get("content")
+    if not content:
+        return None
+    out = []
+    for item in content:
+        candidates = []
+        for cand in item.get("top_logprobs") or []:
+            token = str(cand.get("token", ""))
+            if not token.startswith("token_id:"):
+                return None
+            try:
+                candidates.append((int(token.split(":", 1)[1]), float(cand["logprob"])))
+            except (ValueError, KeyError, TypeError):
+                return None
+        out.append(sorted(candidates, key=lambda c: -c[1]))
+    return out

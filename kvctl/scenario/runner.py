@@ -55,6 +55,7 @@ from kvctl.store.inspect import StoreReport, inspect_store
 from kvctl.verify.junit import verify_junit, write_junit
 from kvctl.verify.prompts import check_prompts
 from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
+from kvctl.verify.evals import EvalReport, load_eval, score_report
 from kvctl.verify.verifier import RunOptions, expected_send_children, run_verify
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class ScenarioReport:
     expected_checks: list[str]
     phases: dict[str, PhaseResult] = field(default_factory=lambda: {p: PhaseResult(p) for p in PHASES})
     verify: VerifyReport | None = None
+    eval: EvalReport | None = None  # the `eval:` block's accuracy gate
     store: StoreReport | None = None
     error: KvctlError | None = None  # what stopped the run early (launch or verify), if anything
     interrupted: bool = False
@@ -164,6 +166,7 @@ class ScenarioReport:
             "expected_checks": self.expected_checks,
             "phases": [p.to_json() for p in self.phases.values()],
             "verify": self.verify.to_json() if self.verify else None,
+            "eval": self.eval.to_json() if self.eval else None,
             "store": self.store.to_json() if self.store else None,
             "error": self.error.to_json() if self.error else None,
             "kept": self.kept, "wall_s": round(self.wall_s, 3),
@@ -342,10 +345,25 @@ class _Phases:
 def _verify(state: ClusterState, plan: ScenarioPlan, progress: ScenarioProgress) -> VerifyReport:
     """The verify driver, one request at a time, with the scenario's expected send children;
     through the cluster's endpoint when it has one (unless the scenario says `via: direct`)."""
-    options = RunOptions(max_tokens=plan.scenario.max_tokens, send_children=plan.send_children,
-                         require=plan.scenario.expectations.require,
-                         via_endpoint=plan.scenario.via == "endpoint" and bool(state.endpoint))
+    options = _run_options(state, plan, plan.scenario.max_tokens)
     return run_verify(state, plan.prompts, options, progress.request).report
+
+
+def _run_options(state: ClusterState, plan: ScenarioPlan, max_tokens: int) -> RunOptions:
+    exp = plan.scenario.expectations
+    return RunOptions(max_tokens=max_tokens, send_children=plan.send_children, require=exp.require,
+                      via_endpoint=plan.scenario.via == "endpoint" and bool(state.endpoint),
+                      compare=exp.compare, epsilon=exp.epsilon)
+
+
+def _eval(state: ClusterState, plan: ScenarioPlan, progress: ScenarioProgress) -> EvalReport:
+    """The `eval:` block: its set's prompts through the same driver, scored against the baseline."""
+    spec = plan.scenario.eval
+    assert spec is not None
+    chosen = load_eval(spec.set)
+    options = _run_options(state, plan, spec.max_tokens or chosen.max_tokens)
+    run = run_verify(state, chosen.prompts, options, progress.request).report
+    return score_report(chosen, run, spec.tolerance)
 
 
 def _keep_logs(plan: ScenarioPlan) -> None:
@@ -376,6 +394,11 @@ def _verify_and_inspect(state: ClusterState, plan: ScenarioPlan, report: Scenari
             why = [f"{len(failed)} failed checks: {', '.join(names)}"] if failed else []
             why += [f"{f.instance} never served" for f in never]
             phase.status, phase.detail = "failed", "; ".join(why)
+        if plan.scenario.eval is not None:
+            report.eval = _eval(state, plan, progress)
+            if not report.eval.passed:
+                phase.status = "failed"
+                phase.detail = "; ".join(filter(None, [phase.detail, report.eval.verdict()]))
     with phases.run("inspect") as phase:
         if state.store is None:  # attached without a visible store
             phase.detail = "not observable: the store is not visible from this host"

@@ -46,6 +46,7 @@ from kvctl.cluster.spec import MAX_POOL, default_kv_config, instance_names
 from kvctl.errors import BadInput
 from kvctl.runtime import DEFAULT_RUNTIME, RUNTIME_CHOICES, requested_runtime_class
 from kvctl.runtime.docker_options import gpu_lists, parse_gpus
+from kvctl.verify.evals import DEFAULT_TOLERANCE, EVAL_SETS
 
 CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
 # Replaced in kv_transfer_config strings at launch, as the server sees them:
@@ -89,6 +90,10 @@ FIELD_PATHS = {
     "prompts": "$.prompts",
     "max_tokens": "$.max_tokens",
     "sent_to_connectors": "$.expectations.sent_to_connectors",
+    "eval": "$.eval.set",
+    "compare": "$.expectations.compare",
+    "epsilon": "$.expectations.epsilon",
+    "eval_tolerance": "$.eval.tolerance",
 }
 
 
@@ -156,6 +161,17 @@ class Expectations(_Strict):
     # all: a check whose evidence is not observable (attached: no log source, store not
     # visible) fails the run; observable: it is reported, and does not fail it.
     require: Literal["all", "observable"] = "all"
+    # output_matches_baseline: exact (CPU), or tolerant of near-ties closer than epsilon (GPU)
+    compare: Literal["exact", "tolerant"] = "exact"
+    epsilon: float = Field(default=0.1, gt=0)  # nats
+
+
+class EvalSpec(_Strict):
+    """`eval:`: the accuracy gate (kvctl.verify.evals), run after the prompts."""
+
+    set: str = Field(default="basic", min_length=1)  # a built-in eval set, or a JSON file
+    tolerance: float = Field(default=DEFAULT_TOLERANCE, ge=0, le=1)  # absolute accuracy P/D may lose
+    max_tokens: int | None = Field(default=None, ge=1)  # None: the set's
 
 
 class ClusterRef(_Strict):
@@ -184,6 +200,7 @@ class Scenario(_Strict):
     prompts: list[PromptSpec] = Field(min_length=1)
     max_tokens: int = Field(default=16, ge=1)
     expectations: Expectations = Field(default_factory=Expectations)
+    eval: EvalSpec | None = None  # the accuracy gate after the prompts
     timeout: float = Field(default=600, gt=0)  # seconds for the cluster to become ready
 
     @field_validator("runtime")
@@ -291,6 +308,7 @@ _FIXES = {
     "timeout": "use a positive number of seconds",
     "store": "use a directory path, or null for a fresh directory per run",
     "cluster": "cluster: {attach: FILE} verifies the running cluster an attach file describes",
+    "eval": f"eval: {{set: {' | '.join(EVAL_SETS)} | FILE.json, tolerance: 0.1, max_tokens: N}}",
 }
 # Keys that describe a cluster kvctl launches: an attaching scenario ignores them.
 _LAUNCH_ONLY = ("runtime", "model", "served_model_name", "image", "gpus", "store", "timeout")
@@ -307,6 +325,8 @@ def _known_keys(parent: tuple) -> list[str]:
         model = PromptSpec
     elif parent[:1] == ("cluster",):
         model = ClusterRef
+    elif parent[:1] == ("eval",):
+        model = EvalSpec
     return list(model.model_fields)
 
 

@@ -138,12 +138,13 @@ def summarise(report: VerifyReport, concurrency: int, wall_s: float) -> LoadStat
 
 def run_load(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
              max_tokens: int = DEFAULT_MAX_TOKENS, concurrency: int = 8, progress: Progress | None = None, *,
-             log_wait_s: float = LOG_WAIT_S, require: str = REQUIRE_ALL, via_endpoint: bool = False) -> LoadReport:
+             log_wait_s: float = LOG_WAIT_S, require: str = REQUIRE_ALL, via_endpoint: bool = False,
+             compare: str = "exact", epsilon: float = 0.1) -> LoadReport:
     """Verify every prompt with `concurrency` clients at once; a request that fails is recorded, not fatal.
 
     Raises BadInput for empty prompts, max_tokens < 1, concurrency < 1 or an unknown require.
     """
     options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, keep_going=True, log_wait_s=log_wait_s,
-                         require=require, via_endpoint=via_endpoint)
+                         require=require, via_endpoint=via_endpoint, compare=compare, epsilon=epsilon)
     run = run_verify(state, prompts, options, progress)
     return LoadReport(run.report, summarise(run.report, concurrency, run.wall_s))

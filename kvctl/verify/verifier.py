@@ -55,6 +55,10 @@ from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADE
 from kvctl.router.headers import REQUEST_ID as REQUEST_ID_HEADER
 from kvctl.verify import markers
 from kvctl.verify.checks import (
+    COMPARE_EXACT,
+    COMPARE_MODES,
+    COMPARE_TOLERANT,
+    DEFAULT_EPSILON,
     ERROR_CHECK,
     CheckResult,
     KeyMatch,
@@ -117,12 +121,18 @@ class ClusterVerifier:
     the evidence is looked for in the logs of the instances the router's
     answer names (X-Kvctl-Prefill/-Decode), or of every instance of each role
     when it names none; the baseline still comes from P directly.
+
+    `compare`: how D's output is held against the baseline's (checks.COMPARE_MODES):
+    exact, or tolerant of near-ties closer than `epsilon` (then the baseline is
+    asked for its top-2 logprobs).
     """
 
     def __init__(self, info: ClusterInfo, *, log_wait_s: float = LOG_WAIT_S,
-                 send_children: SendChildren | None = None, via_endpoint: bool = False):
+                 send_children: SendChildren | None = None, via_endpoint: bool = False,
+                 compare: str = COMPARE_EXACT, epsilon: float = DEFAULT_EPSILON):
         self.info = info
         self.log_wait_s = log_wait_s
+        self.compare, self.epsilon = compare, epsilon
         self.prefill = VLLMClient(info.prefill.url, info.model, role="prefill", api_key=info.api_key)
         self.decode = VLLMClient(info.decode.url, info.model, role="decode", api_key=info.api_key)
         self.endpoint: VLLMClient | None = None
@@ -255,7 +265,8 @@ class ClusterVerifier:
         return check_decode_skipped_forward(text, key, hint), text
 
     def run_baseline(self, prompt: str, max_tokens: int) -> ChatResult:
-        return self.prefill.chat(user_messages(prompt), max_tokens=max_tokens)
+        return self.prefill.chat(user_messages(prompt), max_tokens=max_tokens,
+                                 top_logprobs=2 if self.compare == COMPARE_TOLERANT else 0)
 
     def verify_prompt(self, prompt: str, max_tokens: int,
                       stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -324,7 +335,8 @@ class ClusterVerifier:
         send = pre.match.send if pre.match else None
         return RequestReport(
             prompt=prompt, prompt_tokens=len(pre.tokens), key=pre.key,
-            checks=[pre.kv_send, pre.store_entry, skip_check, check_output_matches_baseline(dec, base)],
+            checks=[pre.kv_send, pre.store_entry, skip_check,
+                    check_output_matches_baseline(dec, base, self.compare, self.epsilon)],
             decode_output=dec.text, baseline_output=base.text,
             prefill_latency_s=pre.result.latency_s, decode_latency_s=dec.latency_s,
             baseline_latency_s=base.latency_s,
@@ -395,6 +407,8 @@ class RunOptions:
     log_wait_s: float = LOG_WAIT_S
     require: str = REQUIRE_ALL  # all | observable: what a check that is not observable does to the verdict
     via_endpoint: bool = False  # each request through the cluster's endpoint (see ClusterVerifier)
+    compare: str = COMPARE_EXACT  # exact | tolerant (near-ties pass; see checks.check_output_matches_baseline)
+    epsilon: float = DEFAULT_EPSILON  # tolerant: the top-2 logprob gap (nats) below which a divergence passes
 
 
 @dataclass
@@ -428,12 +442,19 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
     if options.require not in REQUIRE_CHOICES:
         raise BadInput(f"unknown require {options.require!r}", field="require",
                        fix=f"use one of: {', '.join(REQUIRE_CHOICES)}")
+    if options.compare not in COMPARE_MODES:
+        raise BadInput(f"unknown compare mode {options.compare!r}", field="compare",
+                       fix=f"use one of: {', '.join(COMPARE_MODES)}")
+    if not options.epsilon > 0:
+        raise BadInput(f"epsilon must be > 0, got {options.epsilon}", field="epsilon",
+                       fix=f"use {DEFAULT_EPSILON} (nats)")
     total = len(prompts)
     report = progress or (lambda i, n, s: None)
 
     with capturing_logs(info, every=options.via_endpoint) as info, \
             ClusterVerifier(info, log_wait_s=options.log_wait_s, send_children=options.send_children,
-                            via_endpoint=options.via_endpoint) as verifier:
+                            via_endpoint=options.via_endpoint, compare=options.compare,
+                            epsilon=options.epsilon) as verifier:
         def one(i: int) -> RequestReport:
             try:
                 result = verifier.verify_prompt(prompts[i], options.max_tokens, lambda s: report(i, total, s))
@@ -462,11 +483,12 @@ def run_verify(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str],
 def verify_cluster(state: ClusterInfo | ClusterState | dict, prompts: Sequence[str] = DEFAULT_PROMPTS,
                    max_tokens: int = DEFAULT_MAX_TOKENS, progress: Progress | None = None, *,
                    concurrency: int = 1, log_wait_s: float = LOG_WAIT_S, require: str = REQUIRE_ALL,
-                   via_endpoint: bool = False) -> VerifyReport:
+                   via_endpoint: bool = False, compare: str = COMPARE_EXACT,
+                   epsilon: float = DEFAULT_EPSILON) -> VerifyReport:
     """`kvctl verify`: every prompt against the cluster (ClusterState, its dict, or ClusterInfo).
 
     Stops at the first request that raises. Raises as `run_verify`.
     """
     options = RunOptions(max_tokens=max_tokens, concurrency=concurrency, log_wait_s=log_wait_s, require=require,
-                         via_endpoint=via_endpoint)
+                         via_endpoint=via_endpoint, compare=compare, epsilon=epsilon)
     return run_verify(state, prompts, options, progress).report

@@ -13,7 +13,7 @@ from kvctl.scenario.runner import PhaseResult, ScenarioProgress, ScenarioReport
 from kvctl.views.cluster import LaunchDisplay
 from kvctl.views.output import Output, human_size
 from kvctl.views.store import render_store_report
-from kvctl.views.verify import render_verify_report
+from kvctl.views.verify import render_answers, render_eval, render_verify_report
 
 
 def render_scenario_list(rows: list[dict[str, Any]], out: Output) -> None:
@@ -40,6 +40,9 @@ def render_run(report: ScenarioReport, out: Output) -> None:
     """The verify table, the store table and the final PASS/FAIL line."""
     if report.verify is not None:
         render_verify_report(report.verify, out.stdout)
+        render_answers(report.verify, out.stdout)
+    if report.eval is not None:
+        render_eval(report.eval, out.stdout)
     if report.store is not None:
         render_store_report(report.store, out)
         if not report.store.root.exists():
@@ -59,7 +62,10 @@ def verdict(report: ScenarioReport) -> str:
         assert v is not None and s is not None
         checks = len(report.expected_checks)
         return (f"[bold green]PASS[/bold green] {report.scenario}: {len(v.requests)} requests x {checks} checks, "
-                f"store {len(s.entries)} entries ({human_size(s.total_bytes)}); {wall}")
+                f"store {len(s.entries)} entries ({human_size(s.total_bytes)})"
+                + (f"; eval {report.eval.name} P/D {report.eval.pd_accuracy:.0%} vs baseline "
+                   f"{report.eval.baseline_accuracy:.0%}" if report.eval is not None else "")
+                + f"; {wall}")
     failed = [p for p in report.phases.values() if p.status in ("failed", "interrupted")]
     why = "; ".join(f"{p.name}: {p.detail}" for p in failed) or "not all phases ran"
     return f"[bold red]FAIL[/bold red] {report.scenario} (exit {report.exit_code}): {escape(why)}; {wall}"

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvctl.verify.checks import CHECKS, CheckResult
+from kvctl.verify.evals import EvalReport
 from kvctl.verify.load_mode import LoadReport
 from kvctl.verify.report import FROM_HEADERS, FROM_LOGS, REQUIRE_OBSERVABLE, VerifyReport
 from kvctl.verify.verifier import Progress as RequestProgress
@@ -165,3 +166,32 @@ def render_load(result: LoadReport, console: Console) -> None:
     failed = sum(load["failed_checks"].values())
     verdict = _verdict(result.verify, result.passed, failed, unseen)
     console.print(Text.assemble(verdict, f"  baseline: {result.verify.baseline}"))
+
+
+def render_answers(report: VerifyReport, console: Console, width: int = 100) -> None:
+    """Each prompt and D's answer on one line (cut to `width`): what the model said."""
+    console.print(Text("answers (D, through the cluster):", style="bold"))
+    for i, r in enumerate(report.requests):
+        prompt = " ".join(r.prompt.split())
+        answer = " ".join(r.decode_output.split())
+        line = f"{prompt if len(prompt) <= 48 else prompt[:45] + '...'} -> {answer}"
+        console.print(Text(f" {i + 1}  " + (line if len(line) <= width else line[:width - 3] + "...")))
+
+
+def render_eval(scored: EvalReport, console: Console) -> None:
+    """The eval set item by item (expected, D's and the baseline's verdicts), then the gate's verdict."""
+    table = Table(title=f"kvctl verify --eval {scored.name}", title_justify="left", box=box.SIMPLE_HEAD,
+                  collapse_padding=True, pad_edge=False)
+    for col in ("item", "expected", "P/D", "baseline", "P/D answer"):
+        table.add_column(col, no_wrap=col != "P/D answer")
+    for item in scored.items:
+        answer = " ".join(item.pd_output.split())
+        table.add_row(item.id, "/".join(item.expected), _ok(item.pd_correct), _ok(item.baseline_correct),
+                      answer if len(answer) <= 60 else answer[:57] + "...")
+    console.print(table)
+    style = "bold green" if scored.passed else "bold red"
+    console.print(Text.assemble(("PASSED  " if scored.passed else "FAILED  ", style), scored.verdict()))
+
+
+def _ok(correct: bool) -> Text:
+    return Text("✓", style="green") if correct else Text("✗", style="red")
