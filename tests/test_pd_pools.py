@@ -141,3 +141,19 @@ def test_down_json_names_each_stopped_instance_and_its_role():
                         roles={"prefill-1": "prefill", "router": "router"})
     stopped = report.to_json()["stopped"]
     assert [(s["instance"], s["role"]) for s in stopped] == [("prefill-1", "prefill"), ("router", "router")]
+
+
+def test_down_for_people_names_each_stopped_instance():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kvctl.views.cluster import render_down
+    from kvctl.views.output import Output
+
+    report = lifecycle.DownReport("c", True, [StopResult("prefill-1", True, "SIGTERM", 0.2),
+                                              StopResult("router", False, None, 0.0)],
+                                  removed="/x/c", roles={"prefill-1": "prefill", "router": "router"})
+    err = StringIO()
+    render_down(Output(stdout=Console(file=StringIO()), stderr=Console(file=err, width=200)), report)
+    assert "prefill-1: stopped (SIGTERM, 0.2 s)" in err.getvalue() and "router: was not running" in err.getvalue()

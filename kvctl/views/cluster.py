@@ -114,7 +114,7 @@ def render_down(out: Output, report: DownReport) -> None:
         return
     for s in report.stopped:
         what = f"stopped ({s.signal}, {s.seconds:.1f} s)" if s.was_running else "was not running"
-        out.info(f"{s.role}: {what}")
+        out.info(f"{s.name}: {what}")
     if report.damaged_state:
         out.info(f"its state was unreadable ({report.damaged_state}): stopped the vLLM servers found in "
                  f"its directory ({len(report.stopped)})")
