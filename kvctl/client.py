@@ -92,16 +92,18 @@ class VLLMClient:
 
     def chat(self, messages: list[dict[str, str]], max_tokens: int, temperature: float = 0.0,
              top_p: float = SEED_TOP_P, headers: dict[str, str] | None = None,
-             top_logprobs: int = 0) -> ChatResult:
+             top_logprobs: int = 0, extra: dict[str, Any] | None = None) -> ChatResult:
         """One non-streaming chat completion; latency is the whole HTTP round trip.
 
         `headers` go with the request (e.g. X-Request-Id); the answer's come back in `headers`.
         `top_logprobs` > 0 also asks for that many best candidates per token (`top_logprobs`).
+        `extra` fields go into the body (e.g. NIXL's kv_transfer_params).
         """
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
                 "temperature": temperature, "top_p": top_p,
                 # token ids for exact comparison; logprobs do not change greedy picks
-                "logprobs": True, "top_logprobs": top_logprobs, "return_tokens_as_token_ids": True}
+                "logprobs": True, "top_logprobs": top_logprobs, "return_tokens_as_token_ids": True,
+                **(extra or {})}
         start = time.perf_counter()
         answer: dict[str, str] = {}
         data = self._json("POST", "/v1/chat/completions", body, headers, answer)

@@ -515,7 +515,8 @@ def _check_v1_children(children: list[topology.Child], path: str) -> list[Config
     receiving = [c for c in children if c.receives]
     fs_recv = [c for c in receiving if c.is_fs]
     chosen = [c for c in fs_recv if c.transfer] or fs_recv
-    if len(chosen) == 1 and receiving[0] is not chosen[0]:
+    handshake_first = bool(receiving) and receiving[0].connector in topology.HANDSHAKE_CONNECTORS
+    if len(chosen) == 1 and receiving[0] is not chosen[0] and not handshake_first:  # NIXL first: it carries P->D
         first = receiving[0]
         problems.append(ConfigProblem(
             json_path(path, chosen[0].index),

@@ -59,6 +59,7 @@ from typing import Any
 
 import httpx
 
+from connectors.config.topology import handshake_connector, transfer_connector, transfer_store
 from kvctl.bench.common import Progress, machine_info, quiet
 from kvctl.cluster.lifecycle import LaunchProgress, signals_interrupt, wait_instances_healthy
 from kvctl.cluster.spec import model_dtype, spread_cpu_binds
@@ -70,6 +71,7 @@ from kvctl.runtime import get_runtime
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, Instance, InstanceSpec
 from kvctl.subprocesses import run_streamed
 from kvctl.verify import markers
+from kvctl.verify import nixl as nixl_evidence
 from kvctl.verify.cluster_info import cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogPool, capturing_logs
 
@@ -118,6 +120,9 @@ class ServeOptions:
     tokenizer: Path | None = None  # HF model dir for the tool's tokenizer (default: the cluster's model)
     seed: int = SEED
     timeout_s: float = TIMEOUT_S
+    # More P/D clusters driven in the same run, each its own target beside the first (e.g.
+    # FS P/D, NIXL P/D and the plain server side by side). Same model, same prompts.
+    compare: tuple[str, ...] = ()
 
 
 def check_options(opts: ServeOptions) -> ServeOptions:
@@ -159,7 +164,7 @@ def check_options(opts: ServeOptions) -> ServeOptions:
                            field="tokenizer", fix="give the served model's directory (its tokenizer "
                                                   "files and config.json)")
     return ServeOptions(opts.requests, opts.concurrency, opts.request_rate, opts.input_len,
-                        opts.output_len, plain, tokenizer, opts.seed, opts.timeout_s)
+                        opts.output_len, plain, tokenizer, opts.seed, opts.timeout_s, tuple(opts.compare))
 
 
 # --- what a target's run gives ---
@@ -213,6 +218,11 @@ def store_fraction(decode_log: str, sent: int) -> dict:
     V0 D: the keys on `skip model forwarding` lines over the `Received request`
     lines; `sent` (requests the tool sent through the endpoint) when D logged none.
     """
+    pulled = nixl_evidence.parse(decode_log).received
+    if pulled:  # NIXL: one `Finished recving` per request D pulled from P
+        served = len({line.request for line in pulled})
+        return {"fraction": round(min(1.0, served / sent), 4) if sent else None, "served_from_store": served,
+                "decode_requests": sent, "source": "decode logs: NIXL `Finished recving` lines / requests sent"}
     loads = markers.kv_loads(decode_log)
     if loads:
         served = sum(1 for line in loads if line.outcome == "DONE" and line.loaded)
@@ -458,15 +468,14 @@ def run_serve_bench(name: str, opts: ServeOptions, progress: Progress = quiet) -
     tool or the plain server failed).
     """
     opts = check_options(opts)
-    state = load_cluster(name)
-    if not state.endpoint:
-        raise BadInput(f"cluster {name!r} has no endpoint (no router in front of P and D)", field="name",
-                       fix="launch it with its router (the default), or attach it with the router's URL "
-                           "as its endpoint")
+    state = _pd_cluster(name, "name")
+    others = [_pd_cluster(other, "compare") for other in opts.compare]
+    for other in others:
+        if other.served_model_name != state.served_model_name:
+            raise BadInput(f"cluster {other.name!r} serves {other.served_model_name!r}, {name!r} serves "
+                           f"{state.served_model_name!r}: the targets must run one model", field="compare",
+                           fix="compare clusters launched with the same model")
     tokenizer = _tokenizer_for(state, opts)
-    if not _healthy(state.endpoint):
-        raise RuntimeFailure(f"cluster {name!r}'s endpoint {state.endpoint} does not answer /health with 200",
-                             where=state.endpoint, fix="`kvctl status` shows which instance is down")
     if opts.plain_url is not None:
         check_plain_url(opts.plain_url, state.served_model_name)
     served = state.served_model_name
@@ -475,14 +484,21 @@ def run_serve_bench(name: str, opts: ServeOptions, progress: Progress = quiet) -
         work = Path(tmp)
         plain_ctx = plain_server(state, progress) if opts.plain_url is None else _given(opts.plain_url)
         with plain_ctx as plain_url:
-            with _decode_logs(state) as (logs, why_not):
-                offsets = logs.offset() if logs is not None else ()
-                pd_raw = run_tool("pd", state.endpoint, served, tokenizer, opts, work, progress, api_key)
-                store = _store_after(logs, offsets, why_not, opts.requests + 1)
+            pd_raw, store = _pd_run("pd", state, served, tokenizer, opts, work, progress, api_key)
+            compared_raw = [(other, *_pd_run(f"pd-{other.name}", other, served, tokenizer, opts, work, progress,
+                                             cluster_api_key(other.name)))
+                            for other in others]
             plain_raw = run_tool("plain", plain_url, served, tokenizer, opts, work, progress, api_key)
     pd, plain = target_figures(pd_raw, state.endpoint), target_figures(plain_raw, plain_url)
     pd["store_fraction"] = store["fraction"]
     plain["launched"] = opts.plain_url is None
+    compared = []
+    for other, raw, other_store in compared_raw:
+        figures = target_figures(raw, other.endpoint or "")
+        figures["store_fraction"] = other_store["fraction"]
+        compared.append({"cluster": other.name, "transfer": transfer_of(other), "figures": figures,
+                         "ratios": ratios_of(figures, plain), "store": other_store,
+                         "outputs": same_outputs(raw, plain_raw)})
     return {
         "bench": "serve",
         "cluster": name,
@@ -498,8 +514,40 @@ def run_serve_bench(name: str, opts: ServeOptions, progress: Progress = quiet) -
         "plain": plain,
         "store": store,
         "outputs": same_outputs(pd_raw, plain_raw),
+        "transfer": transfer_of(state),
+        "compared": compared,
         "machine": machine_info(),
     }
+
+
+def transfer_of(state: ClusterState) -> str:
+    """What carries a cluster's KV P->D, as the table names it: nixl, fs, or P's connector."""
+    cfg = next((r.kv_transfer_config for r in state.instances.values() if r.role == "prefill"), None)
+    if handshake_connector(cfg) is not None:
+        return "nixl"
+    return "fs" if transfer_store(cfg, "send") is not None else (transfer_connector(cfg, "send") or "none")
+
+
+def _pd_cluster(name: str, field: str) -> ClusterState:
+    """Cluster `name`, with a healthy endpoint. Raises BadInput naming `field`, RuntimeFailure."""
+    state = load_cluster(name)
+    if not state.endpoint:
+        raise BadInput(f"cluster {name!r} has no endpoint (no router in front of P and D)", field=field,
+                       fix="launch it with its router (the default), or attach it with the router's URL "
+                           "as its endpoint")
+    if not _healthy(state.endpoint):
+        raise RuntimeFailure(f"cluster {name!r}'s endpoint {state.endpoint} does not answer /health with 200",
+                             where=state.endpoint, fix="`kvctl status` shows which instance is down")
+    return state
+
+
+def _pd_run(label: str, state: ClusterState, served: str, tokenizer: Path, opts: ServeOptions, work: Path,
+            progress: Progress, api_key: str | None) -> tuple[dict, dict]:
+    """The tool at one P/D cluster's endpoint: its raw result and what D served from the transfer."""
+    with _decode_logs(state) as (logs, why_not):
+        offsets = logs.offset() if logs is not None else ()
+        raw = run_tool(label, state.endpoint, served, tokenizer, opts, work, progress, api_key)
+        return raw, _store_after(logs, offsets, why_not, opts.requests + 1)
 
 
 @contextmanager

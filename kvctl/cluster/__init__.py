@@ -7,6 +7,8 @@
     state.py      cluster.json: ClusterState, where it lives (cluster_dir), load/save
     lifecycle.py  launch, status and down over a runtime
     router_process.py  the router launch starts beside the instances (one endpoint)
+    nixl.py       what a server running vLLM's NixlConnector gets (configs, side-channel
+                  ports, UCX transports, lease, the DEBUG loggers of its lines)
 
 May import: `kvctl.runtime`, `kvctl.provision`, `kvctl.subprocesses`, `connectors.config`,
 `kvctl.errors`, `kvctl.paths`. Never a command, a view, verify or scenario (they

@@ -41,6 +41,7 @@ from typing import Any
 import httpx
 
 from connectors.config.topology import handshake_connector
+from kvctl.cluster import nixl
 from kvctl.cluster.spec import ClusterSpec
 from kvctl.cluster.state import (
     STATE_FILE,
@@ -236,10 +237,18 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
     """
     cdir = cluster_dir(spec.name)
     planned = spec.instances()
-    free = iter(free_ports(sum(1 for p in planned if not p.port)))
+    # HTTP and NIXL side-channel ports chosen together: all distinct.
+    free = iter(free_ports(sum(1 for p in planned if not p.port)
+                           + sum(1 for port in spec.side_channel_ports.values() if not port)))
+    logging_config = nixl.write_logging_config(cdir) if spec.side_channel_ports else None
     specs = {}
     for p in planned:
         rs = spec.role(p.role)
+        env = dict(rs.env)
+        if p.name in spec.side_channel_ports:
+            env.pop(nixl.SIDE_CHANNEL_PORT_ENV, None)  # the role's first port: each instance has its own
+            env = {**nixl.server_env(rs.kv_transfer_config, spec.side_channel_ports[p.name] or next(free),
+                                     logging_config), **env}
         specs[p.name] = InstanceSpec(
             cluster=spec.name, role=p.role, model=spec.model,
             served_model_name=spec.served_model_name, dtype=spec.dtype,
@@ -247,7 +256,7 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
             kv_transfer_config=rs.kv_transfer_config,
             worker_cls=spec.worker_cls if rs.engine == "v0" else None,  # V1 has no --worker-cls hooks
             block_size=spec.block_size if rs.engine == "v0" else None, max_model_len=spec.max_model_len,
-            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=rs.env, name=p.name,
+            engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=env, name=p.name,
             api_key=spec.api_key)
     return specs
 

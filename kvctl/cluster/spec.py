@@ -22,6 +22,7 @@ from pathlib import Path
 
 from connectors.config.topology import transfer_store
 from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
+from kvctl.cluster import nixl
 from kvctl.cluster.state import DEFAULT_NAME, check_api_key, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision import model_catalog, model_get
@@ -87,6 +88,9 @@ class ClusterSpec:
     # When set, every server and the router require `Authorization: Bearer <api_key>` on /v1/*
     # (kvctl.cluster.lifecycle passes it in their environment, never on a command line).
     api_key: str | None = field(default=None, repr=False)
+    # Instance name -> its NIXL side-channel port (kvctl.cluster.nixl), for every instance whose
+    # config runs a NIXL connector; 0: a free one chosen at launch.
+    side_channel_ports: Mapping[str, int] = field(default_factory=dict)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -134,11 +138,59 @@ class PlannedInstance:
 
 # --- building a spec from user input ---
 
-def default_kv_config(role: str, store: Path) -> dict:
-    """The seed's shape: FSConnector, producer on P, consumer on D, one shared store."""
+def default_kv_config(role: str, store: Path, transfer: str = nixl.DEFAULT_TRANSFER) -> dict:
+    """The transfer's default config of `role`. fs (the seed's shape): FSConnector, producer on
+    P, consumer on D, one shared store; nixl: vLLM's NixlConnector (kvctl.cluster.nixl)."""
+    if transfer == "nixl":
+        return nixl.default_config(role, len(available_cores()))
     return {"kv_connector": "FSConnector",
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_connector_extra_config": {"fs_storage_path": str(store)}}
+
+
+def check_transfer(transfer: str, engines: Mapping[str, str]) -> str:
+    """`transfer` when it is one of nixl.TRANSFERS and runs on the roles' engines; else BadInput
+    naming `transfer`."""
+    if transfer not in nixl.TRANSFERS:
+        raise BadInput(f"unknown transfer {transfer!r}", field="transfer",
+                       fix=f"use one of: {', '.join(nixl.TRANSFERS)} (default {nixl.DEFAULT_TRANSFER})")
+    if transfer == "nixl" and set(engines.values()) != {"v1"}:
+        raise BadInput("NIXL (vLLM's NixlConnector) runs on vLLM V1 only, not on engine v0",
+                       field="transfer", fix="launch both roles on engine v1")
+    return transfer
+
+
+def side_channel_ports(planned: tuple[PlannedInstance, ...], configs: Mapping[str, object],
+                       envs: Mapping[str, Mapping[str, str]]) -> dict[str, int]:
+    """Each NIXL instance's side-channel port: the role's given one plus the instance's index
+    in its pool, checked free now; 0 (a free one at launch) when none is given.
+
+    Raises BadInput naming the role's env and the instance when a given port is taken.
+    """
+    ports: dict[str, int] = {}
+    index = {"prefill": 0, "decode": 0}
+    for p in planned:
+        i, index[p.role] = index[p.role], index[p.role] + 1
+        if not nixl.runs_nixl(configs[p.role]):
+            continue
+        field = f"{p.role}_env"
+        base = nixl.given_port(envs[p.role], field)
+        if base is None:
+            ports[p.name] = 0
+            continue
+        port = base + i
+        error = _bind_error(nixl.SIDE_CHANNEL_HOST, port) if port < 65536 else OSError(0, "out of range")
+        if error is not None:
+            raise BadInput(f"the NIXL side-channel port {port} of {p.name} is not available: {error.strerror}",
+                           field=field, fix=f"give {p.role} another {nixl.SIDE_CHANNEL_PORT_ENV} (each of its "
+                                            "instances takes the next one), or leave it out for free ones")
+        ports[p.name] = port
+    taken = [port for port in ports.values() if port]
+    if len(taken) != len(set(taken)):
+        raise BadInput(f"two instances would share a NIXL side-channel port ({sorted(taken)})",
+                       field=("prefill_env", "decode_env"),
+                       fix=f"give P and D {nixl.SIDE_CHANNEL_PORT_ENV} values further apart than their pool sizes")
+    return ports
 
 
 def check_engine(engine: str, field: str) -> str:
@@ -319,7 +371,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
                     prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE,
                     prefill_count: int = 1, decode_count: int = 1, pooled: bool = False,
                     api_key: str | None = None, router_host: str = ROUTER_HOST,
-                    router_port: int = 0) -> ClusterSpec:
+                    router_port: int = 0, transfer: str = nixl.DEFAULT_TRANSFER) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     `prefill_count`/`decode_count` instances of each role (`pooled` names them
@@ -328,6 +380,9 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     own port (a given port is the first of consecutive ones) and core.
 
     `api_key`: every server and the router require it (None: no key).
+    `transfer`: what the default configs carry KV with: fs (FSConnector, one shared store)
+    or nixl (vLLM's NixlConnector, engine v1; kvctl.cluster.nixl). Every instance whose
+    config runs NIXL, given or default, gets its own side-channel port.
     `router_host`/`router_port`: where the router listens (default 127.0.0.1, a free port).
 
     On the docker runtime every instance is a container (pools included);
@@ -339,7 +394,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     match the instances, an empty API key. Fields: `name`, `model`, `prefill_config`,
     `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`,
     `prefill_engine`, `decode_engine`, `prefill`, `decode` (pool sizes), `gpus`,
-    `api_key`, `router_host`, `router_port`.
+    `api_key`, `router_host`, `router_port`, `transfer`, `prefill_env`/`decode_env` (a NIXL
+    side-channel port that is taken: the message names the instance and the port).
     """
     validate_cluster_name(name)
     if api_key is not None:
@@ -347,6 +403,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     check_pool_sizes(prefill_count, decode_count)
     engines = {"prefill": check_engine(prefill_engine, "prefill_engine"),
                "decode": check_engine(decode_engine, "decode_engine")}
+    check_transfer(transfer, engines)
     if docker is not None and not runtime_class(runtime).docker_options:
         raise BadInput(f"the image, gpus, bind address and docker hosts need the docker runtime, "
                        f"not {runtime}", field="runtime",
@@ -362,7 +419,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     model_dir = resolve_model(model)
     for role in ("prefill", "decode"):
         if isinstance(configs[role], DefaultConfig):
-            configs[role] = default_kv_config(role, store_dir)
+            configs[role] = default_kv_config(role, store_dir, transfer)
         elif configs[role] is not None:
             validate_kv_config(configs[role], role, (prefill_env if role == "prefill" else decode_env) or {},
                                engines[role])
@@ -378,6 +435,9 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     binds = spread_cpu_binds(prefill_count + decode_count)  # 1P1D: one core for P, another for D
     p_binds, d_binds = tuple(binds[:prefill_count]), tuple(binds[prefill_count:])
     p_bind, d_bind = p_binds[0], d_binds[0]
+    names = instance_names(prefill_count, decode_count, pooled)
+    planned = tuple(PlannedInstance(n, "prefill" if n.startswith("prefill") else "decode", 0, None) for n in names)
+    side_ports = side_channel_ports(planned, configs, {"prefill": prefill_env or {}, "decode": decode_env or {}})
     return ClusterSpec(
         name=name, runtime=runtime, model=model_dir,
         served_model_name=served_model_name or model_dir.name,
@@ -388,7 +448,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
                         dict(decode_env or {}), engines["decode"], d_binds),
         worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router,
         router_host=router_host, router_port=router_port,
-        prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key)
+        prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key,
+        side_channel_ports=side_ports)
 
 
 def launch_warnings(spec: ClusterSpec) -> list[str]:

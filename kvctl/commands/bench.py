@@ -148,6 +148,10 @@ def serve_cmd(
                                              "with (default: the cluster's model; attached clusters may need it)."),
     seed: int = typer.Option(serve.SEED, "--seed", help="Seed of the random prompts."),
     timeout: float = typer.Option(serve.TIMEOUT_S, "--timeout", help="Seconds one target's load run may take."),
+    compare: list[str] = typer.Option([], "--compare", metavar="CLUSTER",
+                                      help="Another P/D cluster (same model) driven in the same run, beside the "
+                                           "first and the plain server, e.g. an FS cluster --compare a NIXL one "
+                                           "(repeatable; JSON: \"compared\")."),
     json_out: bool = json_option("Print one JSON object on stdout (top-level \"ratios\": pd / plain, and the "
                                  "\"pd\" and \"plain\" figures)."),
 ) -> None:
@@ -174,7 +178,7 @@ def serve_cmd(
                        fix="name the cluster once")
     opts = serve.ServeOptions(requests=requests, concurrency=concurrency or None, request_rate=request_rate,
                               input_len=input_len, output_len=output_len, plain_url=plain_url,
-                              tokenizer=tokenizer, seed=seed, timeout_s=timeout)
+                              tokenizer=tokenizer, seed=seed, timeout_s=timeout, compare=tuple(compare))
     if concurrency is not None and concurrency < 0:
         raise BadInput(f"concurrency must be 0 or more, got {concurrency}", where="--concurrency",
                        fix=f"pass e.g. {serve.CONCURRENCY} (0: no cap, with --request-rate)")

@@ -82,6 +82,13 @@ def launch_1p1d_cmd(
     prefill_engine: str | None = typer.Option(
         None, "--prefill-engine", help="P's engine (default: --engine), e.g. v0 with --decode-engine v1."),
     decode_engine: str | None = typer.Option(None, "--decode-engine", help="D's engine (default: --engine)."),
+    transfer: str = typer.Option(
+        "fs", "--transfer",
+        help="What the default configs carry KV with: fs (our FSConnector, one shared store) or nixl "
+             "(vLLM's NixlConnector, --engine v1: producer P, consumer D, host KV buffer, a lease sized "
+             "for this host). Every NIXL instance gets its own side-channel port (checked free; "
+             "VLLM_NIXL_SIDE_CHANNEL_PORT in a role's env is its first), UCX_TLS=tcp,cma, and the router "
+             "relays kv_transfer_params."),
     router: bool = typer.Option(True, "--router/--no-router",
                                 help="Start kvctl's router: one OpenAI endpoint (status: \"endpoint\") in "
                                      "front of P and D, on --router-host."),
@@ -107,7 +114,7 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             gpus: list[str], bind: str | None, prefill_docker_host: str | None,
             decode_docker_host: str | None, engine: str, prefill_engine: str | None,
             decode_engine: str | None, router: bool, router_host: str, router_port: int,
-            api_key: str | None, json_: bool,
+            api_key: str | None, json_: bool, transfer: str = "fs",
             pools: tuple[int, int] | None = None) -> None:
     """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
@@ -137,7 +144,7 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
         decode_env=parse_env_items(decode_env, "decode_env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker, router=router,
         prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key,
-        router_host=router_host, router_port=router_port)
+        router_host=router_host, router_port=router_port, transfer=transfer)
     render_launch_plan(out, spec, why)
     if traits.host_rigs and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)

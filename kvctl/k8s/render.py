@@ -49,8 +49,9 @@ from typing import Any
 
 import yaml
 
-from connectors.config.topology import fs_storage_paths, transfer_store
+from connectors.config.topology import fs_storage_paths, handshake_connector, transfer_store
 from kvctl.attach.file import AttachFile, AttachFileInstance, dump_attach_file
+from kvctl.cluster import nixl
 from kvctl.errors import BadInput
 from kvctl.runtime.base import ENTRYPOINT_MODULE, InstanceSpec, vllm_server_args, vllm_server_env
 from kvctl.scenario.schema import Scenario, load_scenario
@@ -200,6 +201,11 @@ def _server_container(spec: K8sSpec, scenario: Scenario, role: str, config: dict
         log_path=Path("/dev/stdout"), kv_transfer_config=config, worker_cls=None, host="0.0.0.0",
         extra_args=tuple(scenario.role(role).args), env=overrides)
     env = [{"name": k, "value": v} for k, v in vllm_server_env(ispec).items()]
+    ports = [{"name": "http", "containerPort": PORT, "protocol": "TCP"}]
+    if nixl.runs_nixl(config):  # D pulls from this pod's own IP: its side channel and UCX
+        given = {e["name"] for e in env}
+        env += [e for e in nixl.pod_env(config) if e["name"] not in given]
+        ports.append({"name": "nixl", "containerPort": nixl.POD_SIDE_CHANNEL_PORT, "protocol": "TCP"})
     if spec.hf_token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": spec.hf_token_secret,
                                                                          "key": "token"}}})
@@ -226,7 +232,7 @@ def _server_container(spec: K8sSpec, scenario: Scenario, role: str, config: dict
         "args": vllm_server_args(ispec, model=spec.model, host="0.0.0.0"),
         "workingDir": WORKDIR,
         "env": env,
-        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "ports": ports,
         "startupProbe": _http_probe(PROBE_PERIOD_S, STARTUP_S // PROBE_PERIOD_S),
         "readinessProbe": _http_probe(PROBE_PERIOD_S, 3),
         "livenessProbe": _http_probe(30, 5),
@@ -267,9 +273,10 @@ def _pool(spec: K8sSpec, scenario: Scenario, role: str, config: dict, store_path
     return docs
 
 
-def _router(spec: K8sSpec) -> list[dict[str, Any]]:
+def _router(spec: K8sSpec, handshake: bool = False) -> list[dict[str, Any]]:
+    """The router's Deployment and Service; `handshake`: it relays NIXL's kv_transfer_params."""
     name = f"{spec.name}-router"
-    args: list[str] = []
+    args: list[str] = ["--kv-transfer-params"] if handshake else []
     for role in ("prefill", "decode"):
         for i in range(getattr(spec, role)):
             args += [f"--{role}", f"{instance_name(role, i)}={instance_url(spec, role, i)}"]
@@ -356,6 +363,9 @@ def render_k8s(spec: K8sSpec) -> RenderedDeployment:
     scenario = load_scenario(spec.scenario)
     raw = {role: scenario.resolved_config(role, STORE_MOUNT, INSTANCE_DIR) for role in ("prefill", "decode")}
     p_store, d_store = transfer_store(raw["prefill"], "send"), transfer_store(raw["decode"], "recv")
+    handshake = handshake_connector(raw["prefill"]) is not None
+    if handshake and p_store is None:  # NIXL carries KV pod to pod; the claim is only mounted
+        p_store = d_store = STORE_MOUNT
     if p_store is None or d_store is None or _abs(p_store) != _abs(d_store):
         raise BadInput(f"scenario {scenario.name}: P's transfer store {p_store!r} and D's {d_store!r} are not one "
                        "directory", field="scenario",
@@ -366,7 +376,7 @@ def render_k8s(spec: K8sSpec) -> RenderedDeployment:
         manifests["store-pvc.yaml"] = [_store_claim(spec)]
     for role in ("prefill", "decode"):
         manifests[f"{role}.yaml"] = _pool(spec, scenario, role, raw[role], store_path)
-    manifests["router.yaml"] = _router(spec)
+    manifests["router.yaml"] = _router(spec, handshake)
     notes = []
     if spec.image == DEFAULT_IMAGE:
         notes.append(f"image {DEFAULT_IMAGE} is what `kvctl image build gpu` tags locally: push it to a registry "

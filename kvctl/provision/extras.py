@@ -15,8 +15,10 @@ on its PYTHONPATH, after the overlay (`server_sites`).
         .lock
 
 The hash covers the extra's inputs (its pip installs, verify script and env)
-and the key of the rig under it: new pins or a new rig give a new directory, a
-second install of the same returns at once from the markers. Adding an extra is
+and the interpreter of the rig under it (its path names the rig's own key): new
+pins or a new rig give a new directory, a second install of the same returns at
+once from the markers. Extras live in the home of their rig, so a KVCTL_HOME of
+its own that reaches the rig through $KVCTL_RIG_V1_PYTHON (tests) finds them. Adding an extra is
 one more entry in EXTRAS.
 
 No torch, no vLLM: standard library and the pure topology reader.
@@ -154,10 +156,12 @@ class ExtraVenv(rig.Rig):
         self.spec = rig_spec  # its pip_args (a mirror) and constraints apply here too
         self.extra = extra
         self.rig_spec = rig_spec
-        # The rig under it: its key, or the interpreter an override ($KVCTL_RIG_V1_PYTHON) names.
-        under = os.environ.get(rig.PYTHON_ENVS[rig_spec.engine]) or rig_spec.key()
-        self._key = rig.digest({"extra": extra.inputs(), "rig": under})[:12]
-        self._locate((home or kvctl_home()) / "extras" / f"{extra.name}-{self._key}")
+        # The rig under it is its interpreter: the installed rig's, or the one an override
+        # ($KVCTL_RIG_V1_PYTHON) names. Its directory names the rig's inputs.
+        python = Path(os.environ.get(rig.PYTHON_ENVS[rig_spec.engine])
+                      or rig.Rig(rig_spec, home).python).absolute()
+        self._key = rig.digest({"extra": extra.inputs(), "rig": str(python)})[:12]
+        self._locate(_home_of(python, home) / "extras" / f"{extra.name}-{self._key}")
 
     @property
     def steps(self) -> tuple[rig._Step, ...]:
@@ -175,6 +179,16 @@ class ExtraVenv(rig.Rig):
     def site(self) -> Path:
         """Its site-packages: what goes on a server's PYTHONPATH."""
         return self.site_packages()
+
+
+def _home_of(python: Path, home: Path | None) -> Path:
+    """Where the extras of the rig whose interpreter is `python` live: beside that rig (a
+    `<home>/rigs/<rig>/venv/bin/python` found through an override, as tests with their own
+    KVCTL_HOME use it, keeps its extras in <home>), else in `home` or $KVCTL_HOME."""
+    parents = python.parents
+    if len(parents) > 4 and parents[3].name == "rigs" and parents[1].name == "venv":
+        return parents[4]
+    return home or kvctl_home()
 
 
 def _step_venv(ctx) -> str:

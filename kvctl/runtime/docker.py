@@ -15,7 +15,9 @@ of an xPyD pool), made through the docker SDK (create → start), with
   the local servers' cwd), so configs, logs and verify's store reads are the
   same as with the local runtime, and P and D share the same host dirs;
 - the server's port published on `bind` (127.0.0.1 by default), same number
-  inside and out; ipc=host, as vLLM's own docs run it;
+  inside and out; ipc=host, as vLLM's own docs run it; an instance running
+  NIXL shares the host's network instead (D reaches P's side channel and UCX
+  endpoints at 127.0.0.1, as between local servers; kvctl.cluster.nixl);
 - on a GPU image (label `kvctl.device=gpu`) or with explicit `gpus`, one
   DeviceRequest per instance, with that instance's own device list
   (docker_options.gpu_lists; on a GPU image without a list, instance i gets
@@ -56,7 +58,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.config.topology import fs_storage_paths
+from connectors.config.topology import fs_storage_paths, handshake_connector
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.provision import images
@@ -395,13 +397,16 @@ class DockerRuntime:
 
         argv, env = self.command(spec, image_labels)
         gpus = self.gpus(spec, image_labels)
+        # NIXL: D pulls from P's side channel and UCX endpoints, which are not one published port:
+        # NIXL instances share the host's network (their ports are the host's, as local servers').
+        network = ({"network_mode": "host"} if handshake_connector(spec.kv_transfer_config) is not None
+                   else {"ports": {f"{spec.port}/tcp": (self.options.bind, spec.port)}})
         return {"image": ref, "command": argv, "entrypoint": [],
                 "name": container_name(spec.cluster, spec.instance, spec.cwd),
                 "labels": {LABEL_CLUSTER: spec.cluster, LABEL_ROLE: spec.role,
                            LABEL_INSTANCE: spec.instance, LABEL_HOME: str(kvctl_home().absolute())},
                 "environment": env, "mounts": self._mounts(spec), "working_dir": str(spec.cwd),
-                "ports": {f"{spec.port}/tcp": (self.options.bind, spec.port)},
-                "ipc_mode": "host", "init": True, "detach": True,
+                **network, "ipc_mode": "host", "init": True, "detach": True,
                 "device_requests": ([DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])]
                                     if gpus else None)}
 

@@ -33,6 +33,7 @@ from connectors.config.topology import (
     FS_CONNECTOR,
     MULTI_CONNECTOR,
     acts,
+    handshake_connector,
     logged_send_children,
     transfer_store,
 )
@@ -403,6 +404,8 @@ def _cross_checks(s: Scenario) -> list[ConfigProblem]:
 
 
 def _check_store_paths(s: Scenario) -> list[ConfigProblem]:
+    if handshake_connector(s.role("prefill").kv_transfer_config) is not None:
+        return []  # NIXL carries KV P->D (verify reads its lines); an FS child there only offloads
     p_path = transfer_store(s.role("prefill").kv_transfer_config, "send")
     d_path = transfer_store(s.role("decode").kv_transfer_config, "recv")
     checks = s.expectations.checks

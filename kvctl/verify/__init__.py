@@ -11,6 +11,8 @@
                      line; `capturing_logs` runs attached instances' `cmd:` log sources meanwhile
     cluster_info.py  what verify needs from a cluster's state (URLs, logs, configs, store), with
                      what is not observable (no log source, store not visible) and why
+    nixl.py          NIXL's evidence per request: vLLM's own NixlConnector and scheduler lines,
+                     found by the request id, and the four checks as they read for NIXL (pure)
     prompts.py       the default prompts, prompts files, the empty-prompt check
     verifier.py      the driver: ClusterVerifier (per-request steps, direct or through the
                      endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify,
@@ -19,7 +21,8 @@
     load_mode.py     verify under load: generated prompts, throughput and latency figures
     junit.py         JUnit XML from verify reports
 
-May import: `kvctl.client`, `kvctl.cluster` (state only), `kvctl.errors`, `kvctl.paths`,
+May import: `kvctl.client`, `kvctl.cluster` (state only), `kvctl.router` (its bodies and
+headers), `kvctl.errors`, `kvctl.paths`,
 `connectors.store`, `connectors.config`, `connectors.log_lines`. Never a command, a view or another front end.
 Library code: nothing here prints; errors name fields (`max_tokens`), never CLI flags.
 """

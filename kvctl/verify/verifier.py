@@ -46,14 +46,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from connectors.config.topology import logged_send_children
+from connectors.config.topology import handshake_connector, logged_send_children
 from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.cluster.state import ClusterState
 from kvctl.errors import BadInput, KvctlError
 from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER
 from kvctl.router.headers import REQUEST_ID as REQUEST_ID_HEADER
+from kvctl.router.bodies import KV_TRANSFER_PARAMS, PREFILL_KV_TRANSFER_PARAMS
 from kvctl.verify import markers
+from kvctl.verify import nixl as nixl_evidence
 from kvctl.verify.checks import (
     COMPARE_EXACT,
     COMPARE_MODES,
@@ -151,6 +153,8 @@ class ClusterVerifier:
             self.d_log = LogPool([info.decode])
         self.children = (list(send_children) if send_children is not None
                          else expected_send_children(info.prefill.kv_transfer_config))
+        # P answers with kv_transfer_params D must be given (NIXL): its evidence is vLLM's own lines.
+        self.handshake = handshake_connector(info.prefill.kv_transfer_config) is not None
         self._identity: KVIdentity | None = None  # learned from the first matched entry
         self._lock = threading.Lock()
 
@@ -268,10 +272,59 @@ class ClusterVerifier:
         return self.prefill.chat(user_messages(prompt), max_tokens=max_tokens,
                                  top_logprobs=2 if self.compare == COMPARE_TOLERANT else 0)
 
+    def nixl_checks(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
+                    d_log: LogPool, d_start: tuple[int, ...]) -> tuple[CheckResult, CheckResult, CheckResult]:
+        """kv_send_logged, store_entry_written and decode_skipped_forward of a NIXL request
+        (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`."""
+        if not p_log.observable or not d_log.observable:
+            why = f"P's log ({p_log.unobservable})" if not p_log.observable else f"D's log ({d_log.unobservable})"
+            return (not_observable("kv_send_logged", why), not_observable("store_entry_written", why),
+                    not_observable("decode_skipped_forward", why))
+        ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
+                  lambda e: e.settled, self.log_wait_s)
+        return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
+                nixl_evidence.check_pulled(ev, len(tokens)))
+
+    def verify_prompt_nixl(self, prompt: str, max_tokens: int,
+                           stage: Callable[[str], None] = lambda s: None) -> RequestReport:
+        """One request straight to P and D with the handshake the router does (bodies.py): P asked
+        for kv_transfer_params, D given the ones P answered; then the NIXL checks."""
+        messages = user_messages(prompt)
+        request_id = new_request_id()
+        stage("prefill")
+        tokens = self.prefill.tokenize_chat(messages)
+        p_start, d_start = self.p_log.offset(), self.d_log.offset()
+        pre = self.prefill.chat(messages, max_tokens=1, headers=_id_header(request_id),
+                                extra={KV_TRANSFER_PARAMS: dict(PREFILL_KV_TRANSFER_PARAMS)})
+        params = pre.raw.get(KV_TRANSFER_PARAMS)
+        stage("decode")
+        dec = self.decode.chat(messages, max_tokens=max_tokens, headers=_id_header(request_id),
+                               extra={KV_TRANSFER_PARAMS: params} if isinstance(params, dict) else None)
+        sent, handed, pulled = self.nixl_checks(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
+        if not isinstance(params, dict) or not params:
+            handed = CheckResult("store_entry_written", False, "P answered without kv_transfer_params, so D had "
+                                                               f"nothing to pull from: {str(pre.raw)[:300]}")
+        stage("baseline")
+        base = self.run_baseline(prompt, max_tokens)
+        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled)
+        report.request_id, report.instances_from = request_id, FROM_DIRECT
+        report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
+        return report
+
+    def _nixl_report(self, prompt: str, tokens: list[int], pre: ChatResult, dec: ChatResult, base: ChatResult,
+                     sent: CheckResult, handed: CheckResult, pulled: CheckResult) -> RequestReport:
+        return RequestReport(
+            prompt=prompt, prompt_tokens=len(tokens), key="",
+            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base)],
+            decode_output=dec.text, baseline_output=base.text,
+            prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s)
+
     def verify_prompt(self, prompt: str, max_tokens: int,
                       stage: Callable[[str], None] = lambda s: None) -> RequestReport:
         if self.endpoint is not None:
             return self.verify_prompt_via_endpoint(prompt, max_tokens, stage)
+        if self.handshake:
+            return self.verify_prompt_nixl(prompt, max_tokens, stage)
         request_id = new_request_id()
         stage("prefill")
         pre = self.run_prefill(prompt, request_id)
@@ -306,6 +359,17 @@ class ClusterVerifier:
                                                PREFILL_HEADER)
         d_log, d_off, d_name, d_note = _follow(self.d_log, d_start, dec.headers.get(DECODE_HEADER.lower()),
                                                DECODE_HEADER)
+        if self.handshake:
+            rid = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
+            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off)
+            stage("baseline")
+            base = self.run_baseline(prompt, max_tokens)
+            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled)
+            report.request_id = rid
+            report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
+            report.prefill_instance, report.decode_instance = p_name, d_name
+            report.instances_from = FROM_HEADERS if not (p_note or d_note) else ""
+            return report
         pre = self.prefill_evidence(tokens, dec, p_off, p_log)
         key_unknown = "" if pre.match is not None or p_log.complete else self._p_unseen(p_log)
         skip_check, d_text = self.decode_evidence(pre.key, d_off, key_unknown, d_log)

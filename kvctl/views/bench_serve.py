@@ -37,20 +37,32 @@ def serve_table(result: dict) -> Table:
     t = Table(title=f"kvctl bench serve {escape(result['cluster'])}: {p['requests']} requests, "
                     f"{p['input_len']} in / {p['output_len']} out tokens, {load.lstrip(', ')}",
               box=box.SIMPLE_HEAVY)
+    compared = result.get("compared") or []
+    # Each P/D target: (column title, its figures, its ratios to plain, what D served from the transfer).
+    targets = [(_title(result["cluster"], result.get("transfer"), bool(compared)), result["pd"], result["ratios"],
+                result["store"])]
+    targets += [(_title(c["cluster"], c["transfer"], True), c["figures"], c["ratios"], c["store"]) for c in compared]
     t.add_column("figure")
-    t.add_column("P/D (endpoint)", justify="right")
+    for title, *_ in targets:
+        t.add_column(title, justify="right")
     t.add_column("plain vLLM", justify="right")
-    t.add_column("P/D / plain", justify="right")
+    for title, *_ in targets:
+        t.add_column(f"{title.split(' ')[0]} / plain" if compared else "P/D / plain", justify="right")
     for label, path, ratio in _ROWS:
-        t.add_row(label, fmt(_get(result["pd"], path)), fmt(_get(result["plain"], path)),
-                  fmt(result["ratios"].get(ratio)) if ratio else "")
-    store = result["store"]
-    if store.get("fraction") is not None:
-        served = f"{fmt(store['fraction'])} ({store['served_from_store']}/{store['decode_requests']})"
-    else:
-        served = "not observable"
-    t.add_row("served from the store", served, "-", "")
+        t.add_row(label, *(fmt(_get(fig, path)) for _, fig, _, _ in targets), fmt(_get(result["plain"], path)),
+                  *((fmt(r.get(ratio)) if ratio else "") for _, _, r, _ in targets))
+    served = [f"{fmt(st['fraction'])} ({st['served_from_store']}/{st['decode_requests']})"
+              if st.get("fraction") is not None else "not observable" for *_, st in targets]
+    t.add_row("served by the transfer" if compared else "served from the store", *served, "-",
+              *("" for _ in targets))
     return t
+
+
+def _title(cluster: str, transfer: str | None, several: bool) -> str:
+    """A P/D target's column: `FS P/D (name)` when several are compared, else `P/D (endpoint)`."""
+    if not several:
+        return "P/D (endpoint)"
+    return f"{(transfer or 'P/D').upper()} P/D ({escape(cluster)})"
 
 
 def render_serve(out: Output, result: dict) -> None:
@@ -67,6 +79,11 @@ def render_serve(out: Output, result: dict) -> None:
     outputs = result["outputs"]
     out.stdout.print(f"same text on both targets: {outputs['equal']}/{outputs['compared']} requests; "
                      f"time ratios: lower is better, requests/s: higher is better", highlight=False)
+    for c in result.get("compared") or []:
+        out.stdout.print(f"{escape(c['cluster'])} ({c['transfer']}): same text as plain on "
+                         f"{c['outputs']['equal']}/{c['outputs']['compared']} requests; served by the transfer "
+                         f"from {escape(c['store'].get('source') or c['store'].get('reason') or '?')}",
+                         highlight=False)
     tool = result["load_tool"]
     out.stdout.print(f"load tool: {tool['name']} {tool.get('version') or ''} ({tool['backend']}, "
                      f"{tool['dataset']} prompts); plain: {result['plain']['url']}"

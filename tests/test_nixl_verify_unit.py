@@ -1,0 +1,106 @@
+"""kvctl.verify.nixl on vLLM 0.32's NIXL lines (as its scheduler and NixlConnector print them):
+one request's lines found by its id among others', and each check's verdict and reason."""
+
+from __future__ import annotations
+
+from kvctl.verify import nixl
+
+PARAMS = ("{'do_remote_prefill': True, 'do_remote_decode': False, 'remote_block_ids': [[0, 1, 2]], "
+          "'remote_engine_id': 'e1', 'remote_request_id': 'chatcmpl-abc-0-12ab', 'remote_host': '127.0.0.1', "
+          "'remote_port': 5600, 'tp_size': 1, 'remote_num_tokens': 300, 'transfer_mode': 'pull'}")
+P_LOG = "\n".join([
+    "(EngineCore pid=1) DEBUG 12-02 00:19:50 [scheduler.py:3233] Finished sending KV transfer for request "
+    "chatcmpl-other-0-1",
+    "(EngineCore pid=1) DEBUG 12-02 00:19:53 [scheduler.py:3233] Finished sending KV transfer for request "
+    "chatcmpl-abc-0-12ab",
+    "(Worker pid=3) WARNING 12-02 00:20:53 [base_worker.py:3032] Releasing expired KV blocks for request "
+    "chatcmpl-late-0-7 which were retrieved by 0 remote worker(s) before lease expired.",
+])
+D_LOG = "\n".join([
+    "(EngineCore pid=2) DEBUG 12-02 00:19:52 [pull_scheduler.py:52] NIXLConnector get_num_new_matched_tokens: "
+    f"num_computed_tokens=128, kv_transfer_params={PARAMS}",
+    "(EngineCore pid=2) DEBUG 12-02 00:19:52 [pull_scheduler.py:112] NIXLConnector update_state_after_alloc: "
+    f"num_external_tokens=172, kv_transfer_params={PARAMS}",
+    "(EngineCore pid=2) DEBUG 12-02 00:19:53 [scheduler.py:3223] Finished recving KV transfer for request "
+    "chatcmpl-abc-0-99",
+])
+
+
+def test_a_healthy_request_passes_with_its_own_lines():
+    ev = nixl.evidence("abc", P_LOG, D_LOG)
+    assert ev.settled
+    sent, handed, pulled = nixl.check_sent(ev), nixl.check_handed(ev, 300), nixl.check_pulled(ev, 300)
+    assert sent.passed and "chatcmpl-abc-0-12ab" in sent.evidence
+    assert handed.passed and "handed 3 block(s) of 300 tokens at 127.0.0.1:5600" in handed.evidence
+    assert pulled.passed and pulled.evidence.startswith("pulled=172 prefix_cached=128 computed=0 of prompt_tokens=300")
+
+
+def test_ids_match_whole_segments_only():
+    assert nixl.names("chatcmpl-abc-0-12ab", "abc") and nixl.names("cmpl-abc", "abc")
+    assert not nixl.names("chatcmpl-abcd-0-1", "abc") and not nixl.names("chatcmpl-xabc-0", "abc")
+    assert nixl.evidence("other", P_LOG, D_LOG).allocated is None  # its D lines are not abc's
+
+
+def test_a_decode_that_computed_part_of_the_prompt_fails():
+    ev = nixl.evidence("abc", P_LOG, D_LOG)
+    pulled = nixl.check_pulled(ev, 310)
+    assert not pulled.passed and "computed 10 of 310 prompt tokens itself" in pulled.evidence
+    assert not nixl.check_handed(ev, 310).passed  # P's blocks hold 300 tokens, the prompt 310
+
+
+def test_a_decode_that_pulled_nothing_or_failed_its_handshake_fails_naming_it():
+    ev = nixl.evidence("zzz", P_LOG, D_LOG)
+    assert "pulled nothing and recomputed the prompt" in nixl.check_pulled(ev, 10).evidence
+    assert "no NIXL line whose kv_transfer_params name request zzz" in nixl.check_handed(ev, 10).evidence
+    failed = D_LOG.splitlines()[:2] + [
+        "(Worker pid=3) ERROR 12-02 00:19:55 [base_worker.py:1260] NIXL transfer failure: handshake_failed | "
+        "Context: {'failure_type': 'handshake_failed', 'request_id': 'chatcmpl-abc-0-99', 'engine_id': 'x'}"]
+    ev = nixl.evidence("abc", "", "\n".join(failed))
+    assert ev.settled
+    check = nixl.check_pulled(ev, 300)
+    assert not check.passed and "its NIXL handshake with P's side channel failed" in check.evidence
+
+
+def test_an_expired_lease_fails_the_send_quoting_ps_line():
+    ev = nixl.evidence("late", P_LOG, "")
+    check = nixl.check_sent(ev)
+    assert not check.passed and "lease on this request's KV blocks expired" in check.evidence
+    assert "Releasing expired KV blocks for request chatcmpl-late-0-7" in check.evidence
+    after = ("(Worker pid=3) ERROR 12-02 00:21:00 [pull_worker.py:667] Potentially invalid KV blocks for "
+             "unrecognized request chatcmpl-gone-0-1 were retrieved by a decode worker. They may have expired.")
+    check = nixl.check_sent(nixl.evidence("gone", after, ""))
+    assert not check.passed and "after P's lease expired" in check.evidence
+
+
+# ---- bench serve: NIXL's served-by-the-transfer fraction, the three-way table ----
+
+def test_bench_counts_the_requests_d_pulled_over_nixl():
+    from kvctl.bench import serve
+
+    got = serve.store_fraction(D_LOG + "\n" + D_LOG.replace("chatcmpl-abc-0-99", "chatcmpl-def-0-3"), sent=4)
+    assert (got["fraction"], got["served_from_store"], got["decode_requests"]) == (0.5, 2, 4)
+    assert "NIXL `Finished recving`" in got["source"]
+
+
+def test_the_three_way_table_has_fs_nixl_and_plain_side_by_side():
+    from rich.console import Console
+
+    from kvctl.bench import serve
+    from kvctl.views.bench_serve import serve_table
+
+    raw = {"completed": 8, "num_prompts": 8, "duration": 4.0, "request_throughput": 2.0, "output_throughput": 32.0,
+           "p50_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "p50_itl_ms": 10.0, "p99_itl_ms": 20.0}
+    plain = serve.target_figures({**raw, "p50_ttft_ms": 50.0}, "http://plain")
+    fs, nx = serve.target_figures(raw, "http://fs"), serve.target_figures({**raw, "p50_ttft_ms": 80.0}, "http://nx")
+    store = {"fraction": 1.0, "served_from_store": 9, "decode_requests": 9, "source": "x"}
+    result = {"cluster": "fs", "transfer": "fs", "pd": fs, "plain": plain, "ratios": serve.ratios_of(fs, plain),
+              "store": store, "params": {"requests": 8, "input_len": 128, "output_len": 16, "concurrency": 4},
+              "compared": [{"cluster": "nx", "transfer": "nixl", "figures": nx, "ratios": serve.ratios_of(nx, plain),
+                            "store": store, "outputs": {"equal": 8, "compared": 8}}]}
+    console = Console(record=True, width=200)
+    console.print(serve_table(result))
+    text = console.export_text()
+    assert "FS P/D (fs)" in text and "NIXL P/D (nx)" in text and "plain vLLM" in text
+    assert "FS / plain" in text and "NIXL / plain" in text
+    ttft = next(line for line in text.splitlines() if line.strip().startswith("TTFT p50"))
+    assert ttft.split()[3:] == ["100.00", "80.00", "50.00", "2.00", "1.60"]
