@@ -8,6 +8,7 @@ docker timestamps). Standard library only: kvctl imports this without torch.
 
     P  [rank0]: KV send DONE. key=<32 hex> tokens=<T> bytes=<n> ms=<f> gather_ms=<f>
     P  sent to connector <Name> (child <i>, <ms> ms)                  (MultiConnectorV0)
+    PD FSConnector store keys: signing with <id>; accepting <id>[, <id>...]   (or: none (...))
     P  [rank0]: child <i> <Name> failed in send_kv_caches_and_hidden_states: <error>
     D  [rank0]: Successfully received all KVs and hidden states, skip model forwarding. keys=<hex>[,<hex>...] tokens=.. bytes=.. ms=..
     D  [rank0]: Failed to receive all KVs and hidden states, redo model forwarding. reason=<text>
@@ -59,6 +60,8 @@ KV_LOAD_FAILED = (_RANK + "KV load FAILED. req=%s key=%s prompt_tokens=%d loaded
                   "prefix_cached=%d reason=%s; %d blocks reported to vLLM as failed "
                   "(kv_load_failure_policy decides)")
 # MultiConnectorV0 P: one child's send of a step (name, index, ms) ...
+# P and D at start-up: which store key signs and which are accepted (key ids only, never a key).
+STORE_KEYS = "FSConnector store keys: %s"
 CHILD_SENT = "sent to connector %s (child %d, %.1f ms)"
 # ... or its failure (rank, index, name, error); CHILD_RECV_FAILED on D.
 CHILD_SEND_FAILED = _RANK + "child %d %s failed in " + SEND_METHOD + ": %s"

@@ -178,6 +178,10 @@ class FSConnectorSettings(BaseModel):
     """Bound on the store's size in bytes; least recently used entries go first."""
     ttl_seconds: float | None = Field(default=None, gt=0)
     """Entries older than this are evicted."""
+    store_key_file: str | None = Field(default=None, min_length=1)
+    """File of store keys (one per line, the first signs): entries are signed and only signed
+    ones are served (connectors.store.auth). Default: $KVCTL_STORE_KEY_FILE, then
+    $KVCTL_STORE_KEY, else an unkeyed store. Never the key itself: the config is on a command line."""
 
 
 # Fix hints for FSConnectorSettings fields, used when pydantic rejects them.
@@ -188,6 +192,7 @@ _FS_FIX = {
     "model_id": "use a non-empty string, or leave it out to key on the served weights' identity",
     "max_bytes": "use a positive whole number of bytes, e.g. 10000000000 for 10 GB, or leave it out",
     "ttl_seconds": "use a positive number of seconds, or leave it out",
+    "store_key_file": "use the path of a file holding the store key (mode 0600), or leave it out",
 }
 
 
@@ -555,3 +560,19 @@ def open_store_dir(path: str) -> Path:
         raise ConfigError([ConfigProblem(where, f"store directory {root} is not writable by this server",
                                          "fix the directory's permissions or choose another fs_storage_path")])
     return root
+
+
+def open_store_keys(settings: FSConnectorSettings) -> "auth.StoreKeys | None":
+    """The store keys a connector signs and checks with (connectors.store.auth.keys_from), or None.
+
+    Raises ConfigError when a key file cannot be read or a key setting holds
+    no key: a server told to authenticate never falls back to serving anything.
+    """
+    from connectors.store import auth
+
+    try:
+        return auth.keys_from(settings.store_key_file)
+    except auth.StoreKeyError as e:
+        where = ("$.kv_connector_extra_config.store_key_file" if settings.store_key_file
+                 else f"${auth.KEY_FILE_ENV} / ${auth.KEY_ENV}")
+        raise ConfigError([ConfigProblem(where, str(e), _FS_FIX["store_key_file"])]) from None

@@ -67,6 +67,9 @@ from typing import BinaryIO, ContextManager, Iterable, Iterator, Protocol, Seque
 
 import xxhash
 
+from connectors.store import auth
+from connectors.store.errors import StoreError
+
 FORMAT_NAME = "kvctl-fs-kv"
 FORMAT_VERSION = 1
 ENTRY_SUFFIX = ".safetensors"
@@ -91,10 +94,6 @@ TENSOR_ORDER = ("token_ids", "kv", "hidden")
 _COUNT = re.compile(r"0|[1-9][0-9]{0,17}")  # identity integers and num_tokens, as str(int) writes them
 _CREATED = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")  # Unix seconds, as the writer formats them
 _CHECKSUM = re.compile(r"xxh3_128:[0-9a-f]{32}")
-
-
-class StoreError(Exception):
-    """Root of everything this module raises about a store or an entry."""
 
 
 class EntryCorrupt(StoreError):
@@ -375,12 +374,13 @@ class TensorBlob:
 
 
 def build_header(identity: KVIdentity, blobs: dict[str, TensorBlob], data_checksum: str,
-                 created: float | None = None) -> bytes:
+                 created: float | None = None, mac: str | None = None) -> bytes:
     """The safetensors header (JSON, space-padded to 8 bytes) for an entry.
 
     The same bytes as `json.dumps(header, separators=(",", ":"))` of the
     records and `__metadata__` (identity fields, format, version, num_tokens,
-    checksum, created), built from a per-identity prefix: a save's fixed cost.
+    checksum, created, and `mac` when given), built from a per-identity
+    prefix: a save's fixed cost.
     """
     parts = []
     offset = 0
@@ -397,8 +397,10 @@ def build_header(identity: KVIdentity, blobs: dict[str, TensorBlob], data_checks
                      f'"data_offsets":[{offset},{offset + nbytes}]}}')
         offset += nbytes
     stamp = f"{created if created is not None else time.time():.3f}"
-    tail = json.dumps({"num_tokens": str(blobs["token_ids"].shape[0]), "checksum": data_checksum,
-                       "created": stamp}, separators=(",", ":"))
+    fields = {"num_tokens": str(blobs["token_ids"].shape[0]), "checksum": data_checksum, "created": stamp}
+    if mac is not None:
+        fields[auth.MAC_FIELD] = mac
+    tail = json.dumps(fields, separators=(",", ":"))
     raw = ("{" + ",".join(parts) + ',"__metadata__":' + _identity_meta_prefix(identity)
            + "," + tail[1:] + "}").encode()
     return raw + b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
@@ -421,8 +423,11 @@ class PublishGuard(Protocol):
 
 
 def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[str, TensorBlob],
-                *, fsync: bool = True, guard: PublishGuard | None = None) -> Path:
+                *, fsync: bool = True, guard: PublishGuard | None = None,
+                keys: auth.StoreKeys | None = None) -> Path:
     """Publish an entry atomically; returns its final path.
+
+    With `keys`, the entry carries a tag made with the first key (auth).
 
     The entry is written (and with `fsync`, fsync'ed) under a fresh temp name
     first (created exclusively, never through a symlink), then renamed. A
@@ -441,7 +446,15 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
     """
     root_s = os.fspath(root)
     ordered = [memoryview(blobs[n].data).cast("B") for n in TENSOR_ORDER]
-    header = build_header(identity, blobs, checksum(ordered))
+    if keys is None:
+        header = build_header(identity, blobs, checksum(ordered))
+    else:
+        signer = keys.signer
+        mac = auth.hasher(signer)
+        for buf in ordered:
+            mac.update(buf)
+        header = auth.sign_header(signer, mac, build_header(identity, blobs, checksum(ordered),
+                                                            mac=auth.blank_mac_value(signer)))
     final = f"{root_s}/{key}{ENTRY_SUFFIX}"
     size = 8 + len(header) + sum(buf.nbytes for buf in ordered)
     if guard is not None:
@@ -504,6 +517,7 @@ class EntryHeader:
 
     path: Path
     header_len: int
+    raw: bytes  # the header's JSON bytes as stored (a tag covers them)
     tensors: dict[str, dict]  # the three tensor records, by name
     metadata: dict[str, str]
     file_size: int
@@ -526,6 +540,10 @@ class EntryHeader:
     @property
     def hidden_tokens(self) -> int:
         return self.tensors["hidden"]["shape"][0]
+
+    def tag_check(self, keys: auth.StoreKeys) -> auth.TagCheck:
+        """Start checking this entry's tag (auth.start_check): raises EntryUnauthenticated."""
+        return auth.start_check(self.path, self.metadata, self.raw, keys)
 
     def span(self, name: str) -> tuple[int, int]:
         begin, end = self.tensors[name]["data_offsets"]
@@ -584,7 +602,7 @@ def parse_header(path: Path | str, f: BinaryIO | None = None) -> EntryHeader:
         raise EntryCorrupt(path, str(e)) from None
     num_tokens, created = _check_metadata(path, meta)
     _check_shapes(path, tensors, identity, num_tokens)
-    entry = EntryHeader(path=path, header_len=hlen, tensors=tensors, metadata=meta, file_size=size,
+    entry = EntryHeader(path=path, header_len=hlen, raw=raw, tensors=tensors, metadata=meta, file_size=size,
                         identity=identity, num_tokens=num_tokens, created=created)
     end = entry.span(TENSOR_ORDER[-1])[1]
     if end != entry.data_len:
@@ -651,21 +669,28 @@ def _shape(shape: list) -> str:
     return f"[{', '.join(map(str, shape[:8]))}{', ...' if len(shape) > 8 else ''}]"
 
 
-def read_data(path: Path | str, f: BinaryIO, header: EntryHeader, into=None) -> memoryview:
+def read_data(path: Path | str, f: BinaryIO, header: EntryHeader, into=None,
+              keys: auth.StoreKeys | None = None) -> memoryview:
     """Read an entry's whole data section (after `parse_header` on the same `f`); check checksum and key.
 
     `into(nbytes)` may return a writable buffer to read into (the torch store
     passes a uint8 tensor's memory, avoiding a copy); the caller checks that
-    the header's size is what it expects before calling this. Raises
-    EntryCorrupt (short read, checksum, key), OSError.
+    the header's size is what it expects before calling this. With `keys`,
+    the tag is checked first (header) and last (data). Raises
+    EntryUnauthenticated (keys: unsigned, bad signature), EntryCorrupt
+    (short read, checksum, key), OSError.
     """
     path = Path(path)
+    tag = header.tag_check(keys) if keys is not None else None
     n = header.data_len
     buf = into(n) if into is not None else bytearray(n)
     view = memoryview(buf).cast("B")
     got = _read_into(f, view)
     if got != n:
         raise EntryCorrupt(path, f"short read: {got} of {n} data bytes")
+    if tag is not None:
+        tag.update(view)
+        tag.finish()
     if checksum([view]) != header.checksum:
         raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
     begin, end = header.span("token_ids")
@@ -685,47 +710,53 @@ def _read_into(f: BinaryIO, view: memoryview) -> int:
     return got
 
 
-def read_entry(path: Path | str, into=None) -> tuple[EntryHeader, memoryview]:
+def read_entry(path: Path | str, into=None, keys: auth.StoreKeys | None = None) -> tuple[EntryHeader, memoryview]:
     """Read a whole entry and check it (rules 1-7, 10). Holds the whole data section in memory.
 
     Raises FileNotFoundError for a miss, EntryCorrupt for anything invalid,
-    OSError when it cannot be read. Checking a store without trusting sizes:
-    `verify_entry`.
+    OSError when it cannot be read; with `keys`, EntryUnauthenticated. Checking
+    a store without trusting sizes: `verify_entry`.
     """
     path = Path(path)
     with open_entry(path) as (f, _):
         header = parse_header(path, f)
-        return header, read_data(path, f, header, into)
+        return header, read_data(path, f, header, into, keys)
 
 
-def verify_entry(path: Path | str) -> EntryHeader:
-    """Check an entry completely (rules 1-7, 10, 11) in bounded memory; returns its header.
+def verify_entry(path: Path | str, keys: auth.StoreKeys | None = None) -> EntryHeader:
+    """Check an entry completely (rules 1-7, 10, 11; with `keys`, 12) in bounded memory; returns its header.
 
-    Raises FileNotFoundError, EntryCorrupt, OSError.
+    Raises FileNotFoundError, EntryUnauthenticated (keys), EntryCorrupt, OSError.
     """
     path = Path(path)
     with open_entry(path) as (f, _):
         header = parse_header(path, f)
-        verify_data(path, f, header)
+        verify_data(path, f, header, keys)
     return header
 
 
-def verify_data(path: Path | str, f: BinaryIO, header: EntryHeader) -> None:
+def verify_data(path: Path | str, f: BinaryIO, header: EntryHeader, keys: auth.StoreKeys | None = None) -> None:
     """Check an entry's data section (after `parse_header` on the same `f`): rules 5-7 and 11.
 
     The data is streamed in READ_CHUNK_BYTES chunks, never allocated whole,
     whatever size the header claims; holes of a sparse file are hashed as the
     zeros they read as, without reading them. The key (from the token ids, at
     the start of the data) is checked before the rest is read, so a renamed or
-    re-headered file fails fast. Raises EntryCorrupt, OSError.
+    re-headered file fails fast. With `keys`, the tag is checked too (rule
+    12): an unsigned entry before any data is read, the tag at the end (before
+    the checksum, so a forged entry is reported as such, whatever its data).
+    Raises EntryUnauthenticated, EntryCorrupt, OSError.
     """
     path = Path(path)
+    tag = header.tag_check(keys) if keys is not None else None
     _, tokens_end = header.span("token_ids")
     data_hash, key_hash = xxhash.xxh3_128(), _key_hasher(header.identity)
     negative, first_negative = 0, 0
     pos, rest = 0, b""  # rest: the tail of a token id split across chunks
     for chunk in _data_chunks(path, f, header.data_start, header.data_len, tokens_end):
         data_hash.update(chunk)
+        if tag is not None:
+            tag.update(chunk)
         if pos < tokens_end:
             key_hash.update(chunk)
             raw = rest + bytes(chunk) if rest else chunk
@@ -742,6 +773,8 @@ def verify_data(path: Path | str, f: BinaryIO, header: EntryHeader) -> None:
         pos += len(chunk)
         if pos == tokens_end and path.name != f"{key_hash.hexdigest()}{ENTRY_SUFFIX}":
             raise EntryCorrupt(path, f"content hashes to key {key_hash.hexdigest()}, not the file name")
+    if tag is not None:
+        tag.finish()
     if "xxh3_128:" + data_hash.hexdigest() != header.checksum:
         raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
     if negative:

@@ -20,7 +20,7 @@ from typing import BinaryIO, Callable, Iterator, Sequence
 import torch
 import xxhash
 
-from connectors.store import format as fmt
+from connectors.store import auth, format as fmt
 from connectors.store.eviction import BoundedPublish
 
 logger = logging.getLogger(__name__)
@@ -72,12 +72,18 @@ class LoadedEntry:
 
 
 class FSStore:
-    """One store directory. Thread-safe: every call works on its own files."""
+    """One store directory. Thread-safe: every call works on its own files.
+
+    With `keys` (connectors.store.auth), every entry saved is signed with the
+    first key, and only entries signed with one of them are loaded (others
+    raise EntryUnauthenticated and are left where they are).
+    """
 
     def __init__(self, root: Path | str, *, fsync: bool = True, max_bytes: int | None = None,
-                 ttl_seconds: float | None = None):
+                 ttl_seconds: float | None = None, keys: auth.StoreKeys | None = None):
         self.root = Path(root)
         self.fsync = fsync
+        self.keys = keys
         self._local = threading.local()  # load_into's staging buffer, one per thread
         bounded = max_bytes is not None or ttl_seconds is not None
         self.guard = BoundedPublish(self.root, max_bytes, ttl_seconds) if bounded else None
@@ -123,12 +129,17 @@ class FSStore:
         Only the header is read: a producer asks this on every repeated prompt.
         Never raises: a damaged or foreign file under the name, or one that
         cannot be read, is "no entry" (the producer publishes it again; a
-        damaged data section is found and deleted by the consumer).
+        damaged data section is found and deleted by the consumer). With
+        keys, so is an entry without a tag of an accepted key (its signed
+        replacement is published over it); the tag itself is the reader's to
+        verify.
         """
         path = fmt.entry_path(self.root, key)
         try:
             with fmt.open_entry(path) as (f, _):
-                fmt.parse_header(path, f)
+                header = fmt.parse_header(path, f)
+                if self.keys is not None and not auth.has_accepted_tag(header.metadata, self.keys):
+                    return False
                 _touch(f)
         except (OSError, fmt.EntryCorrupt):
             return False
@@ -148,7 +159,7 @@ class FSStore:
         return fmt.remove_store_file(found, unchanged=True)
 
     def _write(self, key: str, identity: fmt.KVIdentity, blobs: dict[str, fmt.TensorBlob]) -> Path:
-        return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard)
+        return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard, keys=self.keys)
 
     def load(self, identity: fmt.KVIdentity, token_ids: Sequence[int],
              device: torch.device | str = "cpu", *, hidden_size: int | None = None,
@@ -166,13 +177,14 @@ class FSStore:
         malformed entry (damaged, truncated, checksum, foreign, wrong key,
         wrong shapes or dtypes, not a regular file: `remove_corrupt` deletes
         it if it is ours); TokenMismatch (hash collision or tampering: stored
-        tokens differ from the prompt); OSError when the file cannot be read
-        (permissions, EIO).
+        tokens differ from the prompt); auth.EntryUnauthenticated (with keys:
+        unsigned or bad signature; never removed); OSError when the file
+        cannot be read (permissions, EIO).
         """
         start = time.perf_counter()
         with self._open_fitting(identity, token_ids, hidden_size, hidden_dtype) as (key, raw_tokens, path, f, header):
             data = torch.empty(header.data_len, dtype=torch.uint8)
-            view = fmt.read_data(path, f, header, into=lambda nbytes: data.numpy())
+            view = fmt.read_data(path, f, header, into=lambda nbytes: data.numpy(), keys=self.keys)
             begin, end = header.span("token_ids")
             if bytes(view[begin:end]) != raw_tokens:
                 raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
@@ -197,16 +209,20 @@ class FSStore:
         its own.
 
         The same rules as `load` hold and raise the same errors; the header,
-        the identity, the key and the token ids are checked before
-        `write_layer` is first called. The checksum covers the whole data
-        section, so it is known only at the end: on EntryCorrupt raised after
+        the identity, the key, the token ids and (with keys) the presence of
+        an accepted tag are checked before `write_layer` is first called. The
+        checksum and the tag cover the whole data section, so they are known
+        only at the end: on EntryCorrupt or EntryUnauthenticated raised after
         `write_layer` ran, what it wrote is not the entry's and must not be
-        used (the consumer recomputes the prefill, which overwrites those slots).
+        used (the consumer recomputes the prefill, which overwrites those
+        slots). A keyed load checks the tag instead of the checksum (the tag
+        proves integrity too; hashing twice would only cost time).
         """
         start = time.perf_counter()
         with self._open_fitting(identity, token_ids, hidden_size, hidden_dtype) as (key, raw_tokens, path, f, header):
             fd, base = f.fileno(), header.data_start
-            digest = xxhash.xxh3_128()
+            tag = header.tag_check(self.keys) if self.keys is not None else None
+            digest = tag if tag is not None else xxhash.xxh3_128()
             begin, end = header.span("token_ids")
             stored = os.pread(fd, end - begin, base + begin)
             if len(stored) != end - begin:
@@ -239,7 +255,9 @@ class FSStore:
                 hview = memoryview(hidden_raw.numpy())
                 _pread_exact(path, fd, hview, base + h_begin)
                 digest.update(hview)
-            if "xxh3_128:" + digest.hexdigest() != header.checksum:
+            if tag is not None:
+                tag.finish()
+            elif "xxh3_128:" + digest.hexdigest() != header.checksum:
                 raise fmt.EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
             _touch(f)
         info = header.tensors["hidden"]

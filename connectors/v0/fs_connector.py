@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Union
 
 import torch
 
-from connectors.store import format as fmt
+from connectors.store import auth, format as fmt
 from connectors.store.model_identity import ModelIdentityError
 from connectors.v0.batch import split_prefills, span_slots, span_tokens
-from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
+from connectors.config.validate import (open_store_dir, open_store_keys, ConfigError, ConfigProblem,
+                                       parse_fs_settings)
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.v0.attn_backend import kv_cache_backend_name
 from connectors.v0.kv_layout import (CacheGeometry, GatherBuffers, KVLayout, LayerWriter, SharedGathers,
@@ -82,6 +83,7 @@ class FSConnector(KVConnectorBase):
             if problems:
                 raise ConfigError(problems)
             self.root = open_store_dir(self.settings.fs_storage_path)
+            self.keys = open_store_keys(self.settings)
             self.model_id, described = _model_identity(config.model_config, self.settings.model_id)
         except ConfigError as e:
             logger.error("FSConnector: cannot start:\n%s", e)
@@ -97,7 +99,7 @@ class FSConnector(KVConnectorBase):
         self.is_consumer = kv_config.is_kv_consumer
         self.store = FSStore(self.root, fsync=self.settings.fsync,
                              max_bytes=self.settings.max_bytes,
-                             ttl_seconds=self.settings.ttl_seconds)
+                             ttl_seconds=self.settings.ttl_seconds, keys=self.keys)
 
         model_config, parallel = config.model_config, config.parallel_config
         self.geometry = CacheGeometry(
@@ -121,6 +123,7 @@ class FSConnector(KVConnectorBase):
                     self.geometry.head_size, self.geometry.block_size, self.tp_rank,
                     self.tp_size, self.settings.fsync)
         logger.info("FSConnector model identity: %s; weights: %s", self.model_id, described)
+        logger.info(log_lines.STORE_KEYS, auth.describe(self.keys))
         if config.lora_config is not None:
             logger.info("FSConnector: LoRA is enabled; requests with an adapter are recomputed, "
                         "never published or loaded (their KV depends on the adapter)")
@@ -231,6 +234,8 @@ class FSConnector(KVConnectorBase):
                 return self._redo(model_input, f"corrupt key={key}: {e.reason}")
             except TokenMismatch as e:
                 return self._redo(model_input, f"token mismatch key={key}: {e}")
+            except auth.EntryUnauthenticated as e:  # another writer's entry: left where it is
+                return self._redo(model_input, f"refused key={key}: {e.reason}")
             except Exception as e:  # whatever a damaged file does, recompute instead of crashing
                 logger.exception("[rank%d]: unexpected error loading key=%s", self.rank, key)
                 return self._redo(model_input, f"unreadable key={key}: {type(e).__name__}: {e}")

@@ -62,10 +62,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from connectors.config.validate import open_store_dir, ConfigError, ConfigProblem, parse_fs_settings
+from connectors.config.validate import (open_store_dir, open_store_keys, ConfigError, ConfigProblem,
+                                       parse_fs_settings)
 from connectors import log_lines
 from connectors.logs import SendFailureLog, get_logger
-from connectors.store import format as fmt
+from connectors.store import auth, format as fmt
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.store.model_identity import ModelIdentityError
 from connectors.served_model import served_model_identity, unkeyable_input_problems
@@ -123,6 +124,7 @@ class FSConnector(KVConnectorBase_V1):
             if problems:
                 raise ConfigError(problems)
             self.root = open_store_dir(self.settings.fs_storage_path)
+            self.keys = open_store_keys(self.settings)
             self.model_id, described = _model_identity(model_config, self.settings.model_id)
         except ConfigError as e:
             logger.error("FSConnector: cannot start:\n%s", e)
@@ -130,7 +132,7 @@ class FSConnector(KVConnectorBase_V1):
         self.is_producer = kv_config.is_kv_producer
         self.is_consumer = kv_config.is_kv_consumer
         self.store = FSStore(self.root, fsync=self.settings.fsync, max_bytes=self.settings.max_bytes,
-                             ttl_seconds=self.settings.ttl_seconds)
+                             ttl_seconds=self.settings.ttl_seconds, keys=self.keys)
         self.block_size = _manager_block_size(vllm_config, kv_cache_config)
         self.tp_size = parallel.tensor_parallel_size
         self.tp_rank = _tp_rank() if role == KVConnectorRole.WORKER else 0
@@ -157,6 +159,7 @@ class FSConnector(KVConnectorBase_V1):
                         self.identity.head_size, self.identity.dtype, self.block_size, self.tp_size,
                         self.settings.fsync)
             logger.info("FSConnector model identity: %s; weights: %s", self.model_id, described)
+            logger.info(log_lines.STORE_KEYS, auth.describe(self.keys))
 
     # ================================================================ scheduler side
 
@@ -185,7 +188,7 @@ class FSConnector(KVConnectorBase_V1):
 
     def _find(self, tokens: list[int]) -> transfer.EntryCheck:
         identity = transfer.rank_identity(self.identity, 0)
-        check = transfer.find_entry(self.root, identity, tokens, self.tp_size)
+        check = transfer.find_entry(self.root, identity, tokens, self.tp_size, self.keys)
         for error in check.corrupt:
             _remove_corrupt(self.store, error)
         return check

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from connectors.store import format as fmt
+from connectors.store import auth, format as fmt
 
 KV_ONLY_SUFFIX = ";hidden=none"  # appended to `model` in the identity of entries with no hidden state
 
@@ -73,13 +73,15 @@ class EntryCheck:
         return self.identity is not None
 
 
-def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int]) -> None:
-    """Verify the entry of `identity` for exactly these tokens without loading it (rules 0-7, 9-11).
+def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int],
+                keys: auth.StoreKeys | None = None) -> None:
+    """Verify the entry of `identity` for exactly these tokens without loading it (rules 0-7, 9-11; 12 with keys).
 
     Reads the header, streams the data section through the checksum (bounded
     memory) and compares the stored token ids with the prompt's. Raises
     FileNotFoundError (miss), EntryCorrupt (invalid: the entry should be
     removed), TokensDiffer (other tokens under this key),
+    auth.EntryUnauthenticated (with keys: unsigned, bad signature; left alone),
     OSError (cannot be read).
     """
     raw = fmt.token_bytes(token_ids)
@@ -95,7 +97,7 @@ def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int]) 
         stored = _pread(f, header.data_start + begin, end - begin)
         if stored != raw:
             raise TokensDiffer(f"{path.name}: stored token ids differ from the prompt's")
-        fmt.verify_data(path, f, header)
+        fmt.verify_data(path, f, header, keys)
 
 
 class TokensDiffer(fmt.StoreError):
@@ -112,7 +114,8 @@ def _pread(f, offset: int, n: int) -> bytes:
     return data
 
 
-def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int) -> EntryCheck:
+def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int,
+               keys: auth.StoreKeys | None = None) -> EntryCheck:
     """The first identity (lookup_identities order) whose entries for every TP rank are valid.
 
     Never raises: a miss, an invalid entry, other tokens or a read error is
@@ -125,7 +128,7 @@ def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], t
         for rank in range(tp_size):
             ranked = rank_identity(candidate, rank)
             try:
-                check_entry(root, ranked, token_ids)
+                check_entry(root, ranked, token_ids, keys)
             except FileNotFoundError:
                 problem = "miss"
             except fmt.EntryCorrupt as e:
@@ -133,6 +136,8 @@ def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], t
                 problem = f"corrupt: {e.reason}"
             except TokensDiffer:
                 problem = "token mismatch"
+            except auth.EntryUnauthenticated as e:  # another writer's entry: refused, never removed
+                problem = f"refused: {e.reason}"
             except OSError as e:
                 problem = f"unreadable: {e.strerror or e}"
             if problem:

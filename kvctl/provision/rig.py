@@ -92,7 +92,7 @@ V1_REQUIREMENTS = ("xxhash>=3.4",)  # what connectors/ imports beyond vLLM's own
 V1_REMOVE = ("torchvision", "torchaudio", "torchcodec")  # pulled in, unused, and break imports
 
 # Modules connectors/ imports that the rig must provide (checked by `verify`).
-CONNECTOR_MODULES = ("xxhash",)
+CONNECTOR_MODULES = ("xxhash", "blake3")
 SPEC_ENV = "KVCTL_RIG_SPEC"  # JSON file of RigSpec field overrides, for the engine it names
 PYTHON_ENV = "KVCTL_RIG_PYTHON"  # use this interpreter instead of an installed v0 rig
 PYTHON_ENVS = {"v0": PYTHON_ENV, "v1": "KVCTL_RIG_V1_PYTHON"}  # the same, per engine
