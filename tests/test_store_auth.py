@@ -1,17 +1,15 @@
 """Authenticated entries (connectors.store.auth): a keyed reader serves only what a key holder wrote.
 
 Real files, the real writer and readers. A forged entry is made the way a
-writer without the key would: KV noise added, the xxh3 checksum recomputed,
-the header rewritten (with the original tag left in, or none).
+writer without the key would (store_forgery.forge): KV noise added, the xxh3
+checksum recomputed, the header rewritten (with the original tag left in, or none).
 """
 
 from __future__ import annotations
 
-import json
-import struct
-
 import pytest
 import torch
+from store_forgery import forge
 
 from connectors.config.validate import ConfigError, open_store_keys, parse_fs_settings
 from connectors.store import auth, format as fmt
@@ -29,25 +27,6 @@ def make_entry(tokens: int = 21, seed: int = 0):
     hidden = torch.randn(1, 64, generator=g)
     ids = torch.randint(0, 2000, (tokens,), generator=g).tolist()
     return ids, kv, hidden
-
-
-def forge(path, *, keep_tag: bool = True, noise: float = 0.5) -> None:
-    """Rewrite an entry as a writer without the key can: noisy KV, a correct checksum, a re-signed header."""
-    raw = path.read_bytes()
-    (hlen,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + hlen])
-    data = bytearray(raw[8 + hlen:])
-    begin, end = header["kv"]["data_offsets"]
-    kv = torch.frombuffer(data[begin:end], dtype=torch.float32).clone()
-    kv += noise * torch.randn(kv.shape, generator=torch.Generator().manual_seed(1))
-    data[begin:end] = kv.numpy().tobytes()
-    meta = header["__metadata__"]
-    meta["checksum"] = fmt.checksum([bytes(data)])
-    if not keep_tag:
-        meta.pop(auth.MAC_FIELD, None)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + bytes(data))
 
 
 def load_into(store: FSStore, ids):

@@ -38,6 +38,7 @@ from kvctl.cluster.state import (
     cluster_dir,
     load_cluster,
     save_cluster,
+    save_store_keys,
     utc_now,
     validate_cluster_name,
 )
@@ -69,6 +70,9 @@ class AttachSpec:
     endpoint: str | None = None
     store: Path | None = None  # None: not visible from here
     source: str | None = None  # the attach file, for messages
+    # The cluster's store keys (first signs), for checks: verify and inspect-store check entries'
+    # tags with them. Kept in CLUSTER_DIR/store_key (0600). (): not given.
+    store_keys: tuple[str, ...] = field(default=(), repr=False)
 
 
 @dataclass
@@ -218,7 +222,8 @@ def attach_cluster(spec: AttachSpec) -> AttachResult:
         served, root = served_model_name(first.url)
     state = ClusterState(name=spec.name, runtime=ATTACHED_RUNTIME, model=spec.model or root or served,
                          served_model_name=served, store=str(spec.store) if spec.store else None,
-                         created=utc_now(), managed=False, endpoint=spec.endpoint)
+                         created=utc_now(), managed=False, endpoint=spec.endpoint,
+                         store_signed=bool(spec.store_keys))
     for i in spec.instances:
         log_path = ("" if i.log is None else str(i.log.path) if i.log.path is not None
                     else str(cdir / "logs" / f"{i.name}.log"))
@@ -226,6 +231,8 @@ def attach_cluster(spec: AttachSpec) -> AttachResult:
             role=i.role, url=i.url, log_path=log_path, kv_transfer_config=i.kv_transfer_config, cwd="",
             runtime_fields={}, log_source=str(i.log) if i.log is not None else "")
     save_cluster(state)
+    if spec.store_keys:
+        save_store_keys(spec.name, spec.store_keys)
     log.info("attached cluster %r (%d instances) from %s", spec.name, len(spec.instances),
              spec.source or "options")
     return AttachResult(state, notes)

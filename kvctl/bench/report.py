@@ -34,6 +34,10 @@ DEFINITIONS: dict[str, tuple[bool, str]] = {
     "load_to_cache_vs_raw_read": (True, "KV from the store into a paged cache vs read() of the raw bytes + scatter"),
     "load_to_cache_vs_per_layer_safetensors": (True, "into a paged cache, vs a safetensors file per layer (mapped)"),
     "load_to_cache_vs_seed_safetensors": (True, "into a paged cache, vs the seed's one file [2, L, T, H, D] (mapped)"),
+    "save_mac_vs_unkeyed": (True, "save with a store key (entry signed: keyed BLAKE3 tag) vs without: throughput"),
+    "load_mac_vs_unkeyed": (True, "load with a store key (tag checked) vs without (checksum checked): throughput"),
+    "load_to_cache_mac_vs_unkeyed": (True, "KV into a paged cache from a keyed store (tag checked instead of the "
+                                           "checksum) vs from an unkeyed one"),
     "publish_p50_100k_vs_1k": (False, "bounded store at its bound: p50 publish latency (eviction included) with "
                                       "100k entries / with 1k entries"),
     "lookup_p50_100k_vs_1k": (False, "p50 latency of an already-stored check (header read) with 100k / 1k entries"),
@@ -55,6 +59,7 @@ DEFINITIONS: dict[str, tuple[bool, str]] = {
 GOALS: dict[str, dict[str, float]] = {
     "store": {"save_vs_raw_write": 0.8, "save_fsync_vs_raw_write_fsync": 0.8, "load_vs_raw_read": 0.8,
               "load_to_cache_vs_best_peer": 1.0, "load_to_cache_vs_memcpy": 0.5,
+              "load_to_cache_mac_vs_unkeyed": 0.9,
               "publish_p50_100k_vs_1k": 2.0,
               "save_vs_best_peer": 1.0, "load_vs_best_peer": 1.0,
               "save_vs_per_layer_safetensors": 1.0, "load_vs_per_layer_safetensors": 1.0},
@@ -137,7 +142,8 @@ def machine_line(m: dict) -> str:
 README_RATIOS = ("save_vs_raw_write", "load_vs_raw_read", "save_fsync_vs_raw_write_fsync",
                  "save_vs_per_layer_safetensors", "load_vs_per_layer_safetensors",
                  "save_vs_best_peer", "load_vs_best_peer", "load_to_cache_vs_best_peer",
-                 "load_to_cache_vs_memcpy", "publish_p50_100k_vs_1k", "gather_vs_memcpy", "scatter_vs_memcpy",
+                 "load_to_cache_vs_memcpy", "save_mac_vs_unkeyed", "load_mac_vs_unkeyed",
+                 "load_to_cache_mac_vs_unkeyed", "publish_p50_100k_vs_1k", "gather_vs_memcpy", "scatter_vs_memcpy",
                  "ttft_transfer_vs_recompute", "ttft_transfer_vs_floor", "multi_overhead",
                  "multi_send_vs_gather_once")
 

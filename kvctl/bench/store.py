@@ -5,6 +5,8 @@ round, so noise spreads evenly), best of N after one untimed warm-up round:
 
     ours              FSStore.save (fsync off / on) and FSStore.load (key,
                       checksum, token check included)
+    ours_mac          the same with a store key: every entry signed (keyed
+                      BLAKE3 tag) and its tag checked on load (connectors.store.auth)
     raw               the same bytes with plain buffered write() / read()
                       (+ fsync; + a cold read after posix_fadvise(DONTNEED))
     per_layer_st      vLLM V1's example storage connector: a folder per
@@ -50,7 +52,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from connectors.store import format as fmt
+from connectors.store import auth, format as fmt
 from connectors.store.eviction import evict, published_entries
 from connectors.store.fs_store import FSStore
 from connectors.v0.kv_layout import CacheGeometry, KVLayout, PagedAttentionLayout
@@ -62,6 +64,7 @@ BYTES_PER_TOKEN = LAYERS * 2 * KV_HEADS * HEAD_SIZE * 2  # 128 KiB
 IDENTITY = fmt.KVIdentity(model="kvctl-bench-8b-gqa", num_layers=LAYERS, kv_parts=2,
                           kv_heads=KV_HEADS, head_size=HEAD_SIZE, dtype=DTYPE_TAG)
 PEERS = ("per_layer_safetensors", "seed_safetensors", "torch_save")
+BENCH_KEYS = auth.StoreKeys.from_secrets(["kvctl-bench-store-key"])  # a fixed key: signing costs the same
 
 
 def tokens_for(mb: float) -> int:
@@ -164,6 +167,12 @@ def make_methods(kv: torch.Tensor, hidden: torch.Tensor, tokens: list[int]) -> d
     def ours_load(path: Path):
         return FSStore(path.parent).load(IDENTITY, tokens)
 
+    def mac_save(d: Path) -> Path:
+        return FSStore(d, fsync=False, keys=BENCH_KEYS).save(IDENTITY, tokens, kv, hidden).path
+
+    def mac_load(path: Path):
+        return FSStore(path.parent, keys=BENCH_KEYS).load(IDENTITY, tokens)
+
     def raw_save(fsync: bool) -> Callable[[Path], Path]:
         def save(d: Path) -> Path:
             path = d / "raw.bin"
@@ -205,6 +214,7 @@ def make_methods(kv: torch.Tensor, hidden: torch.Tensor, tokens: list[int]) -> d
     methods = [
         Method("ours", ours_save(False), ours_load),
         Method("ours_fsync", ours_save(True), ours_load),
+        Method("ours_mac", mac_save, mac_load),
         Method("raw", raw_save(False), raw_load),
         Method("raw_fsync", raw_save(True), raw_load),
         Method("per_layer_safetensors", per_layer_save, per_layer_load),
@@ -276,6 +286,9 @@ def size_ratios(save_s: dict, load_s: dict, cold_s: dict) -> dict[str, float]:
         "save_fsync_vs_raw_write_fsync": speed_ratio(save_s["raw_fsync"], save_s["ours_fsync"]),
         "load_vs_raw_read": speed_ratio(load_s["raw"], load_s["ours"]),
         "load_cold_vs_raw_read_cold": speed_ratio(cold_s["raw"], cold_s["ours"]),
+        # what signing costs: keyed over unkeyed (1 = free, 0.9 = 10 % slower)
+        "save_mac_vs_unkeyed": speed_ratio(save_s["ours"], save_s["ours_mac"]),
+        "load_mac_vs_unkeyed": speed_ratio(load_s["ours"], load_s["ours_mac"]),
     }
     for peer in PEERS:
         r[f"save_vs_{peer}"] = speed_ratio(save_s[peer], save_s["ours"])
@@ -317,6 +330,7 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
     """Load one entry's KV into a paged cache, every way; best of `repeat` after a warm-up, warm page cache.
 
     ours            FSStore.load_into: per layer, read into a reused staging buffer, hash, scatter
+    ours_mac        the same from a keyed store: the tag is checked instead of the checksum
     ours_two_pass   FSStore.load (the whole entry read and checked), then scatter_layers
     per_layer_st    safetensors.load_file per layer (mapped lazily), each scattered from the mapping
     seed_st         the seed's one file [2, L, T, H, D] (mapped), each layer scattered from it
@@ -334,6 +348,10 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
     try:
         ours_store = FSStore(work, fsync=False)
         ours_store.save(IDENTITY, tokens, kv, hidden)
+        mac_dir = work / "keyed"
+        mac_dir.mkdir()
+        mac_store = FSStore(mac_dir, fsync=False, keys=BENCH_KEYS)
+        mac_store.save(IDENTITY, tokens, kv, hidden)
         per_layer = work / "per_layer"
         per_layer.mkdir()
         for layer in range(LAYERS):
@@ -355,6 +373,9 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
 
         def ours():
             ours_store.load_into(IDENTITY, tokens, scatter)
+
+        def ours_mac():
+            mac_store.load_into(IDENTITY, tokens, scatter)
 
         def ours_two_pass():
             layout.scatter_layers(caches, slots, ours_store.load(IDENTITY, tokens).kv)
@@ -380,7 +401,7 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
                 while got < file_bytes:
                     got += f.readinto(view[got:])
 
-        methods = {"ours": ours, "ours_two_pass": ours_two_pass, "per_layer_safetensors": per_layer_st,
+        methods = {"ours": ours, "ours_mac": ours_mac, "ours_two_pass": ours_two_pass, "per_layer_safetensors": per_layer_st,
                    "seed_safetensors": seed_st, "raw_read": raw_read, "memcpy": memcpy}
         times = {name: float("inf") for name in methods}
         for round_ in range(repeat + 1):  # round 0 warms up
@@ -400,7 +421,8 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
     best_peer = min(times[p] for p in CACHE_PEERS)
     ratios = {"load_to_cache_vs_best_peer": speed_ratio(best_peer, times["ours"]),
               "load_to_cache_vs_memcpy": speed_ratio(times["memcpy"], times["ours"]),
-              "load_to_cache_vs_raw_read": speed_ratio(times["raw_read"], times["ours"])}
+              "load_to_cache_vs_raw_read": speed_ratio(times["raw_read"], times["ours"]),
+              "load_to_cache_mac_vs_unkeyed": speed_ratio(times["ours"], times["ours_mac"])}
     for peer in CACHE_PEERS:
         ratios[f"load_to_cache_vs_{peer}"] = speed_ratio(times[peer], times["ours"])
     return {"mb": mb, "tokens": len(tokens), "kv_bytes": kv.numel() * kv.element_size(), "file_bytes": file_bytes,

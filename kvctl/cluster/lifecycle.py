@@ -53,6 +53,7 @@ from kvctl.cluster.state import (
     load_cluster,
     remove_state,
     save_api_key,
+    save_store_keys,
     save_cluster,
     utc_now,
 )
@@ -257,7 +258,7 @@ def instance_specs(spec: ClusterSpec) -> dict[str, InstanceSpec]:
             worker_cls=spec.worker_cls if rs.engine == "v0" else None,  # V1 has no --worker-cls hooks
             block_size=spec.block_size if rs.engine == "v0" else None, max_model_len=spec.max_model_len,
             engine=rs.engine, cpu_bind=p.cpu_bind, extra_args=rs.extra_args, env=env, name=p.name,
-            api_key=spec.api_key)
+            api_key=spec.api_key, store_keys=spec.store_keys)
     return specs
 
 
@@ -353,9 +354,12 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             state = ClusterState(name=spec.name, runtime=spec.runtime, model=str(spec.model),
                                  served_model_name=spec.served_model_name,
                                  store=str(spec.store), created=utc_now(),
-                                 api_key_required=spec.api_key is not None)
+                                 api_key_required=spec.api_key is not None,
+                                 store_signed=bool(spec.store_keys))
             if spec.api_key is not None:
                 save_api_key(spec.name, spec.api_key)
+            if spec.store_keys:
+                save_store_keys(spec.name, spec.store_keys)
             save_cluster(state)  # before any server: `kvctl down` finds the runtime's leftovers
             ispecs = instance_specs(spec)
             for ispec in ispecs.values():

@@ -16,14 +16,14 @@ import ipaddress
 import json
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from connectors.config.topology import transfer_store
 from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
 from kvctl.cluster import nixl
-from kvctl.cluster.state import DEFAULT_NAME, check_api_key, cluster_dir, validate_cluster_name
+from kvctl.cluster.state import DEFAULT_NAME, check_api_key, check_store_keys, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision import model_catalog, model_get
 from kvctl.provision.tiny_model import ensure_default_model
@@ -91,6 +91,9 @@ class ClusterSpec:
     # Instance name -> its NIXL side-channel port (kvctl.cluster.nixl), for every instance whose
     # config runs a NIXL connector; 0: a free one chosen at launch.
     side_channel_ports: Mapping[str, int] = field(default_factory=dict)
+    # Store keys (first signs): every server signs its entries and serves only signed ones;
+    # kept in CLUSTER_DIR/store_key (0600), passed in the servers' environment. (): unkeyed.
+    store_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -371,7 +374,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
                     prefill_engine: str = DEFAULT_ENGINE, decode_engine: str = DEFAULT_ENGINE,
                     prefill_count: int = 1, decode_count: int = 1, pooled: bool = False,
                     api_key: str | None = None, router_host: str = ROUTER_HOST,
-                    router_port: int = 0, transfer: str = nixl.DEFAULT_TRANSFER) -> ClusterSpec:
+                    router_port: int = 0, transfer: str = nixl.DEFAULT_TRANSFER,
+                    store_keys: Sequence[str] = ()) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     `prefill_count`/`decode_count` instances of each role (`pooled` names them
@@ -383,6 +387,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     `transfer`: what the default configs carry KV with: fs (FSConnector, one shared store)
     or nixl (vLLM's NixlConnector, engine v1; kvctl.cluster.nixl). Every instance whose
     config runs NIXL, given or default, gets its own side-channel port.
+    `store_keys`: the servers sign entries with the first and serve only entries
+    signed with one of them (connectors.store.auth; (): an unkeyed store).
     `router_host`/`router_port`: where the router listens (default 127.0.0.1, a free port).
 
     On the docker runtime every instance is a container (pools included);
@@ -449,7 +455,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
         worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router,
         router_host=router_host, router_port=router_port,
         prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key,
-        side_channel_ports=side_ports)
+        side_channel_ports=side_ports, store_keys=check_store_keys(store_keys))
 
 
 def launch_warnings(spec: ClusterSpec) -> list[str]:

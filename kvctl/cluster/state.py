@@ -13,6 +13,10 @@ the cluster was launched with an API key: its servers and router then require
 `Authorization: Bearer KEY` on /v1/* (/health stays open). The key itself is
 never in cluster.json: it lives in the file `api_key` beside it (mode 0600,
 `save_api_key`), where kvctl's own requests read it (`cluster_api_key`).
+`"store_signed": true`: its servers sign the store's entries and serve only
+signed ones (connectors.store.auth); the keys live in the file `store_key`
+beside cluster.json (mode 0600, first signs), and reach the servers as
+$KVCTL_STORE_KEY in their environment, never on a command line.
 
 Each instance: `role`, `url`, `pid` (local) or `container_id` (docker) plus
 runtime extras (`start_ticks`, `command`), `log_path`, `kv_transfer_config`
@@ -41,22 +45,26 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from connectors.store.atomic import write_atomic
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
 from kvctl.runtime.attached import NAME as ATTACHED_RUNTIME  # the `runtime` of a cluster kvctl did not start
 
+if TYPE_CHECKING:
+    from connectors.store.auth import StoreKeys
+
 DEFAULT_NAME = "default"
 STATE_FILE = "cluster.json"
 COMMAND_PREFIX = "cmd:"  # a log source that is a command whose output is the log
 API_KEY_FILE = "api_key"  # the cluster's API key, mode 0600, beside cluster.json
 API_KEY_ENV = "KVCTL_API_KEY"  # the key for a launch, and for clusters without the file (attached)
+STORE_KEY_FILE = "store_key"  # the cluster's store keys (first signs), mode 0600, beside cluster.json
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -140,6 +148,7 @@ class ClusterState:
     endpoint: str | None = None  # the router URL in front of the instances, if any
     router: dict[str, Any] | None = None  # the router process kvctl started (url, pid, log_path, ...)
     api_key_required: bool = False  # launched with an API key (the key: the `api_key` file)
+    store_signed: bool = False  # its servers sign and check store entries (the keys: the `store_key` file)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"name": self.name, "runtime": self.runtime, "model": self.model,
@@ -154,6 +163,8 @@ class ClusterState:
             data["router"] = self.router
         if self.api_key_required:
             data["api_key_required"] = True
+        if self.store_signed:
+            data["store_signed"] = True
         data["instances"] = {r: i.to_json() for r, i in self.instances.items()}
         return data
 
@@ -168,7 +179,8 @@ class ClusterState:
                    created=d["created"],
                    instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()},
                    managed=managed, endpoint=d.get("endpoint"), router=d.get("router"),
-                   api_key_required=d.get("api_key_required") is True)
+                   api_key_required=d.get("api_key_required") is True,
+                   store_signed=d.get("store_signed") is True)
 
     def by_role(self, role: str) -> dict[str, InstanceRecord]:
         """This cluster's instances of `role` (prefill or decode), by name, in name order."""
@@ -209,9 +221,10 @@ def save_cluster(state: ClusterState) -> Path:
 
 
 def remove_state(name: str) -> None:
-    """Remove cluster.json and the API key file (the logs and the store stay)."""
+    """Remove cluster.json, the API key and the store key files (the logs and the store stay)."""
     (cluster_dir(name) / STATE_FILE).unlink(missing_ok=True)
     (cluster_dir(name) / API_KEY_FILE).unlink(missing_ok=True)
+    (cluster_dir(name) / STORE_KEY_FILE).unlink(missing_ok=True)
 
 
 # --- the API key: a file only this user reads, never in cluster.json or a command line ---
@@ -232,9 +245,74 @@ def check_api_key(key: str, field: str = "api_key") -> str:
 def save_api_key(name: str, key: str) -> Path:
     """Write cluster `name`'s API key to its `api_key` file, created with mode 0600 (never
     readable by others, even for a moment), atomically (temp file + rename)."""
-    path = cluster_dir(name) / API_KEY_FILE
+    return _save_secret(cluster_dir(name) / API_KEY_FILE, key + "\n")
+
+
+def _save_secret(path: Path, text: str) -> Path:
+    """Write `text` to `path` with mode 0600 from its creation on, atomically (temp file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return write_atomic(path, key + "\n", mode=0o600)
+    return write_atomic(path, text, mode=0o600)
+
+
+# --- the store keys: the same kind of file; servers get them as $KVCTL_STORE_KEY ---
+
+def save_store_keys(name: str, secrets: Sequence[str]) -> Path:
+    """Write cluster `name`'s store keys (first signs) to its `store_key` file, mode 0600."""
+    return _save_secret(cluster_dir(name) / STORE_KEY_FILE, "".join(f"{s}\n" for s in secrets))
+
+
+def check_store_keys(secrets: Sequence[str], field: str = "store_key") -> tuple[str, ...]:
+    """The store keys, checked: each non-empty, printable, without whitespace or commas (the
+    servers get them comma-separated). Raises BadInput (`field`)."""
+    for secret in secrets:
+        if not secret or any(c.isspace() or not c.isprintable() or c == "," for c in secret):
+            raise BadInput("a store key is empty or holds whitespace, a comma or control characters",
+                           field=field, fix="use keys of printable characters without spaces or commas, "
+                                            "one per line in the key file (e.g. `openssl rand -hex 32`)")
+    return tuple(secrets)
+
+
+def launch_store_keys(enabled: bool, key_file: Path | None = None,
+                      env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The store keys a launch gives its servers: those in `key_file` (default
+    $KVCTL_STORE_KEY_FILE), else a new random key; () when not `enabled`.
+    Raises BadInput (field store_key_file) for a file that cannot be read or holds no key."""
+    from connectors.store import auth
+
+    if not enabled:
+        return ()
+    env = os.environ if env is None else env
+    path = key_file or env.get(auth.KEY_FILE_ENV)
+    if not path:
+        return (auth.generate_secret(),)
+    try:
+        secrets = auth.parse_key_file(Path(path).read_text())
+    except OSError as e:
+        raise BadInput(f"cannot read the store key file {path}: {e.strerror or e}", field="store_key_file",
+                       fix="name a readable file of store keys, one per line (the first signs)") from None
+    if not secrets:
+        raise BadInput(f"the store key file {path} holds no key", field="store_key_file",
+                       fix="put a key on its first line, e.g. `openssl rand -hex 32 > FILE`")
+    return check_store_keys(secrets, "store_key_file")
+
+
+def cluster_store_keys(name: str) -> "StoreKeys | None":
+    """The store keys kvctl checks cluster `name`'s entries with: its `store_key` file (launched
+    or attached with keys), else $KVCTL_STORE_KEY_FILE / $KVCTL_STORE_KEY, else None.
+    Raises BadInput when a key file cannot be read."""
+    from connectors.store import auth
+
+    try:
+        path = cluster_dir(name) / STORE_KEY_FILE
+    except BadInput:
+        path = None
+    try:
+        if path is not None and path.is_file():
+            return auth.read_key_file(path)
+        return auth.keys_from()
+    except auth.StoreKeyError as e:
+        raise BadInput(str(e), field="store_key",
+                       fix=f"point ${auth.KEY_FILE_ENV} at a readable file of store keys, one per line") from None
 
 
 def load_api_key(name: str) -> str | None:

@@ -6,13 +6,16 @@ renders the result (kvctl.views.attach).
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 
 from kvctl.attach.attach import AttachSpec, attach_cluster, detach_cluster, spec_from_file, spec_from_options
+from kvctl.cluster.state import launch_store_keys
 from kvctl.errors import BadInput
+from kvctl.runtime.base import STORE_KEY_ENVS
 from kvctl.options import json_option
 from kvctl.views.attach import render_attached, render_detached
 from kvctl.views.output import Output
@@ -34,6 +37,10 @@ def attach_cmd(
     file: Path | None = typer.Option(None, "--file", help="An attach file (xPyD pools; see docs/k8s.md)."),
     from_k8s: Path | None = typer.Option(None, "--from-k8s", help="A directory `kvctl render k8s` wrote "
                                                                   "(its attach.yaml)."),
+    store_key_file: Path | None = typer.Option(
+        None, "--store-key-file", metavar="PATH",
+        help="The cluster's store keys (one per line; default $KVCTL_STORE_KEY_FILE): verify and inspect-store "
+             "check entries' tags with them. kvctl keeps a copy in CLUSTER_DIR/store_key (mode 0600)."),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
     """Register a running P/D cluster kvctl did not start; starts and changes nothing.
@@ -46,8 +53,9 @@ def attach_cmd(
     """
     out = Output(json_mode=json_)
     try:
-        render_attached(out, attach_cluster(_spec(name, prefill, decode, prefill_log, decode_log, store, endpoint,
-                                                  model_name, file, from_k8s)))
+        spec = _spec(name, prefill, decode, prefill_log, decode_log, store, endpoint, model_name, file, from_k8s)
+        keys = launch_store_keys(store_key_file is not None or STORE_KEY_ENVS[1] in os.environ, store_key_file)
+        render_attached(out, attach_cluster(replace(spec, store_keys=keys)))
     except BadInput as e:
         if e.fields == ("name",) and e.where is None:
             e.where = "NAME"  # an argument here, not the usual --name option

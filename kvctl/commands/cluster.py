@@ -17,7 +17,8 @@ from kvctl.cluster import lifecycle
 from kvctl.cluster.parse import parse_env_items, parse_kv_config
 from kvctl.cluster.spec import (DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, ROUTER_HOST, build_1p1d_spec, build_pd_spec,
                                 check_engine)
-from kvctl.cluster.state import API_KEY_ENV, DEFAULT_NAME, check_api_key
+from kvctl.cluster.state import API_KEY_ENV, DEFAULT_NAME, check_api_key, launch_store_keys
+from kvctl.runtime.base import STORE_KEY_ENVS
 from kvctl.errors import BadInput, ExitCode
 from kvctl.options import json_option
 from kvctl.runtime import AUTO, RUNTIME_CHOICES, runtime_class, select_runtime
@@ -39,6 +40,13 @@ _ENGINE_HELP = ("vLLM engine of P and D: v0 (vLLM 0.9.2, the default) or v1 (vLL
 
 
 _NAME_HELP = "Cluster name (its state lives in $KVCTL_HOME/clusters/NAME)."
+_STORE_KEY_HELP = ("Sign every store entry and serve only signed ones (a keyed BLAKE3 tag): a process that "
+                   "can write the store but lacks the key cannot decide what D answers. On by default: kvctl "
+                   "makes a key per cluster in CLUSTER_DIR/store_key (mode 0600); the servers get it in their "
+                   "environment. --no-store-key: an unkeyed store.")
+_STORE_KEY_FILE_HELP = (f"Use the store keys in PATH (one per line; the first signs, all are accepted: "
+                        f"rotation, or a store shared with other clusters) instead of a new one. "
+                        f"Default: ${STORE_KEY_ENVS[1]}.")
 _API_KEY_HELP = (f"Every vLLM server and the router require `Authorization: Bearer KEY` on /v1/* (/health stays "
                  f"open). Default: ${API_KEY_ENV}, which keeps the key out of argv and shell history. The servers "
                  "get it in their environment, never on a command line; kvctl keeps it for verify and bench in "
@@ -96,6 +104,9 @@ def launch_1p1d_cmd(
                                     help="The address the router listens on: 0.0.0.0 for every interface."),
     router_port: int = typer.Option(0, "--router-port", help="The router's port (default: a free one)."),
     api_key: str | None = typer.Option(None, "--api-key", metavar="KEY", show_default=False, help=_API_KEY_HELP),
+    store_key: bool = typer.Option(True, "--store-key/--no-store-key", help=_STORE_KEY_HELP),
+    store_key_file: Path | None = typer.Option(None, "--store-key-file", metavar="PATH", show_default=False,
+                                               help=_STORE_KEY_FILE_HELP),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
     """Launch one prefill and one decode vLLM server sharing a KV store.
@@ -114,7 +125,8 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             gpus: list[str], bind: str | None, prefill_docker_host: str | None,
             decode_docker_host: str | None, engine: str, prefill_engine: str | None,
             decode_engine: str | None, router: bool, router_host: str, router_port: int,
-            api_key: str | None, json_: bool, transfer: str = "fs",
+            api_key: str | None, store_key: bool, store_key_file: Path | None, json_: bool,
+            transfer: str = "fs",
             pools: tuple[int, int] | None = None) -> None:
     """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
@@ -144,7 +156,8 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
         decode_env=parse_env_items(decode_env, "decode_env"),
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker, router=router,
         prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key,
-        router_host=router_host, router_port=router_port, transfer=transfer)
+        router_host=router_host, router_port=router_port, transfer=transfer,
+        store_keys=launch_store_keys(store_key, store_key_file))
     render_launch_plan(out, spec, why)
     if traits.host_rigs and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)

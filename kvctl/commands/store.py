@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -11,6 +12,7 @@ from kvctl.errors import BadInput, ExitCode, RuntimeFailure
 from kvctl.options import JSON_OPT
 from kvctl.store.inspect import (
     TEMP_GRACE_S,
+    store_keys_for,
     fix_store,
     inspect_store,
     resolve_store_dir,
@@ -22,6 +24,10 @@ store_app = typer.Typer(help="Check and maintain the FS KV store.", no_args_is_h
 
 DIR_ARG = typer.Argument(None, metavar="[DIR]", help="Store directory (default: the store of --name).")
 NAME_OPT = typer.Option(None, "--name", "-n", help="Cluster whose store to read (default: 'default').")
+KEY_FILE_OPT = typer.Option(None, "--key-file", metavar="PATH",
+                            help="Check entries' tags with the store keys in PATH (one per line). Default: "
+                                 "with --name the cluster's store_key file, else $KVCTL_STORE_KEY_FILE or "
+                                 "$KVCTL_STORE_KEY; without any, tags are shown (signed/unsigned), not checked.")
 
 
 def register(app: typer.Typer) -> None:
@@ -34,15 +40,19 @@ def register(app: typer.Typer) -> None:
 def inspect_store_cmd(
     directory: Optional[str] = DIR_ARG,
     name: Optional[str] = NAME_OPT,
-    verify: bool = typer.Option(False, "--verify", help="Read every entry: checksum, key and token ids."),
+    verify: bool = typer.Option(False, "--verify", help="Read every entry: checksum, key, token ids and "
+                                                        "(given the store key) its tag."),
+    key_file: Optional[Path] = KEY_FILE_OPT,
     json_out: bool = JSON_OPT,
 ) -> None:
-    """List the store's entries (key, tokens, shape, dtype, bytes, created) and stray files.
+    """List the store's entries (key, tokens, shape, dtype, bytes, created, signature) and stray files.
 
+    Given the store key, each entry is verified / bad signature / unsigned (with --verify).
     Exits 1 with --verify when any entry is invalid or could not be read.
     """
     out = Output(json_mode=json_out)
-    report = inspect_store(resolve_store_dir(directory, name), verify=verify)
+    root = resolve_store_dir(directory, name)
+    report = inspect_store(root, verify=verify, keys=store_keys_for(key_file, directory, name))
     if json_out:
         out.emit_json(report.to_json())
     else:
@@ -58,6 +68,7 @@ def check_cmd(
                                                   "(never foreign files, never entries it cannot read)."),
     grace: float = typer.Option(TEMP_GRACE_S, "--grace", min=0,
                                 help="Seconds a temp file may be a live write before --fix removes it."),
+    key_file: Optional[Path] = KEY_FILE_OPT,
     json_out: bool = JSON_OPT,
 ) -> None:
     """Verify every entry and flag temp leftovers, unreadable entries and foreign files.
@@ -66,11 +77,12 @@ def check_cmd(
     """
     out = Output(json_mode=json_out)
     root = resolve_store_dir(directory, name)
-    report = inspect_store(root, verify=True)
+    keys = store_keys_for(key_file, directory, name)
+    report = inspect_store(root, verify=True, keys=keys)
     if not json_out:
         render_store_report(report, out)  # shown before --fix removes anything
     fixed = fix_store(report, temp_grace_s=grace) if fix else None
-    after = inspect_store(root, verify=True) if fixed and fixed.removed else report
+    after = inspect_store(root, verify=True, keys=keys) if fixed and fixed.removed else report
     if json_out:
         out.emit_json({**after.to_json(), "fix": fixed.to_json() if fixed else None,
                        "passed": after.problems == 0})

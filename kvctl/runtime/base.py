@@ -47,6 +47,8 @@ ENTRYPOINT_MODULE = "vllm.entrypoints.openai.api_server"
 BLOCK_SIZE = 16  # tokens; the only size the CPU backend supports without IPEX
 MAX_MODEL_LEN = 2048  # tokens; the tiny model's max positions
 KV_CACHE_SPACE_GIB = "1"  # VLLM_CPU_KVCACHE_SPACE: caps each server's KV cache
+STORE_KEY_ENVS = ("KVCTL_STORE_KEY", "KVCTL_STORE_KEY_FILE")  # connectors.store.auth reads these
+STORE_KEY_ENV = STORE_KEY_ENVS[0]
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM (0.9 and V1) requires `Authorization: Bearer $VLLM_API_KEY` on /v1/*
 
 
@@ -75,6 +77,9 @@ class InstanceSpec:
     # When set, the server requires `Authorization: Bearer <api_key>` on /v1/* (vLLM reads
     # VLLM_API_KEY from its environment: the key never appears on its command line or in `ps`).
     api_key: str | None = field(default=None, repr=False)
+    # Store keys (first signs): the connector signs its entries and serves only signed ones.
+    # Passed as $KVCTL_STORE_KEY (connectors.store.auth), like the API key never on a command line.
+    store_keys: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def instance(self) -> str:
@@ -130,6 +135,8 @@ def vllm_server_env(spec: InstanceSpec) -> dict[str, str]:
     env.update(spec.env)
     if spec.api_key is not None:
         env[API_KEY_ENV] = spec.api_key
+    if spec.store_keys:
+        env[STORE_KEY_ENV] = ",".join(spec.store_keys)
     return env
 
 

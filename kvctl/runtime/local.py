@@ -40,6 +40,7 @@ from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
 from kvctl.provision.rig import default_spec, rig_python
 from kvctl.runtime.base import (
     API_KEY_ENV,
+    STORE_KEY_ENVS,
     DEFAULT_ENGINE,
     ENTRYPOINT_MODULE,
     InstanceSpec,
@@ -226,7 +227,9 @@ class LocalRuntime:
         argv = self.command(spec)
         # A VLLM_API_KEY kvctl inherited is not this cluster's key (that comes with the spec):
         # a server requiring it would refuse kvctl's own requests.
-        env = {**{k: v for k, v in os.environ.items() if k != API_KEY_ENV}, **vllm_server_env(spec)}
+        # So are store keys: an unkeyed cluster's servers must not pick one up from kvctl's shell.
+        env = {**{k: v for k, v in os.environ.items() if k != API_KEY_ENV and k not in STORE_KEY_ENVS},
+               **vllm_server_env(spec)}
         env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"),
                                        server_sites(spec.kv_transfer_config, spec.engine))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)

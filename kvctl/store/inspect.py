@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from connectors.store import auth
 from connectors.store.format import (
     ENTRY_SUFFIX,
     EntryCorrupt,
@@ -64,6 +65,10 @@ class EntryReport:
     num_tokens: int = 0
     hidden_tokens: int | None = None
     created: float | None = None
+    # "unsigned", "signed" (a tag, not checked), "verified", "bad signature"; None: header unreadable
+    signature: str | None = None
+    key_id: str | None = None  # the key id in the entry's tag
+    refused: bool = False  # invalid only for its tag: another writer's entry, never removed
 
     @property
     def key(self) -> str:
@@ -81,6 +86,7 @@ class EntryReport:
             "valid": self.valid, "error": self.error,
             **{f: getattr(ident, f) if ident else None for f in fields},
             "hidden_tokens": self.hidden_tokens, "created": self.created,
+            "signature": self.signature, "key_id": self.key_id,
         }
 
 
@@ -103,6 +109,7 @@ class StrayFile:
 class StoreReport:
     root: Path
     verified: bool
+    keyed: bool = False  # checked against store keys (tags verified with --verify)
     entries: list[EntryReport] = field(default_factory=list)
     temp_files: list[StrayFile] = field(default_factory=list)
     foreign_files: list[StrayFile] = field(default_factory=list)
@@ -128,7 +135,7 @@ class StoreReport:
 
     def to_json(self) -> dict:
         return {
-            "root": str(self.root), "verified": self.verified,
+            "root": str(self.root), "verified": self.verified, "keyed": self.keyed,
             "entries": [e.to_json() for e in self.entries],
             "temp_files": [t.to_json() for t in self.temp_files],
             "foreign_files": [f.to_json() for f in self.foreign_files],
@@ -186,8 +193,14 @@ def cluster_store_dir(name: str) -> Path:
     return root
 
 
-def inspect_store(root: Path | str, verify: bool = False, now: float | None = None) -> StoreReport:
+def inspect_store(root: Path | str, verify: bool = False, now: float | None = None,
+                  keys: auth.StoreKeys | None = None) -> StoreReport:
     """Classify and (with `verify`) fully check every name in a store.
+
+    With `keys`, each entry's tag is checked too (from the header: unsigned,
+    or a key not accepted; with `verify`, the tag itself): an entry that fails
+    only that is invalid and `refused`, and never removed by `fix_store`.
+    Without keys an entry is "signed" or "unsigned" by its header alone.
 
     Raises BadInput when `root` cannot be listed. Never raises for a bad
     file: that is an invalid entry (with its reason), an unchecked one (could
@@ -196,7 +209,7 @@ def inspect_store(root: Path | str, verify: bool = False, now: float | None = No
     """
     root = Path(root)
     now = time.time() if now is None else now
-    report = StoreReport(root=root, verified=verify)
+    report = StoreReport(root=root, verified=verify, keyed=keys is not None)
     try:
         files = list_store(root)
     except OSError as e:
@@ -208,7 +221,7 @@ def inspect_store(root: Path | str, verify: bool = False, now: float | None = No
         if found.kind is FileKind.TEMP:
             report.temp_files.append(StrayFile(found.path, st.st_size, now - st.st_mtime, found))
         elif found.kind is FileKind.ENTRY:
-            entry = _inspect_entry(found, verify)
+            entry = _inspect_entry(found, verify, keys)
             if entry is not None:
                 report.entries.append(entry)
         else:
@@ -219,7 +232,7 @@ def inspect_store(root: Path | str, verify: bool = False, now: float | None = No
     return report
 
 
-def _inspect_entry(found: StoreFile, verify: bool) -> EntryReport | None:
+def _inspect_entry(found: StoreFile, verify: bool, keys: auth.StoreKeys | None) -> EntryReport | None:
     path = found.path
     entry = EntryReport(path, found.stat.st_size, found, valid=None)
     try:
@@ -228,11 +241,19 @@ def _inspect_entry(found: StoreFile, verify: bool) -> EntryReport | None:
             header = parse_header(path, f)
             entry.identity, entry.num_tokens = header.identity, header.num_tokens
             entry.created, entry.hidden_tokens = header.created, header.hidden_tokens
+            entry.signature, entry.key_id = _signature(header.metadata)
+            if keys is not None:
+                header.tag_check(keys)  # unsigned or an unknown key: known from the header
             if verify:
-                verify_data(path, f, header)
+                verify_data(path, f, header, keys)
                 entry.valid = True
+                if keys is not None:
+                    entry.signature = "verified"
     except FileNotFoundError:
         return None  # evicted or replaced while we looked
+    except auth.EntryUnauthenticated as e:
+        entry.valid, entry.error, entry.refused = False, e.reason, True
+        entry.signature = auth.UNSIGNED if e.reason.startswith(auth.UNSIGNED) else auth.BAD_SIGNATURE
     except EntryCorrupt as e:
         entry.valid, entry.error = False, e.reason
         if e.stat is not None:
@@ -267,7 +288,11 @@ def fix_store(report: StoreReport, temp_grace_s: float = TEMP_GRACE_S) -> FixRes
         else:
             _remove(temp.file, f"temp leftover, {temp.age_s:.0f}s old", result)
     for entry in report.invalid:
-        _remove(entry.file, f"invalid entry: {entry.error}", result)
+        if entry.refused:
+            result.kept.append((entry.path, f"{entry.error}: another writer's entry, never removed "
+                                            f"for its tag"))
+        else:
+            _remove(entry.file, f"invalid entry: {entry.error}", result)
     for entry in report.unchecked:
         result.kept.append((entry.path, f"unchecked ({entry.error}): never removed; "
                                         "check as a user who can read it"))
@@ -287,3 +312,28 @@ def _remove(found: StoreFile, reason: str, result: FixResult) -> None:
         result.removed.append((found.path, reason))
     elif os.path.lexists(found.path):
         result.kept.append((found.path, "changed since the check (a producer rewrote it)"))
+
+
+def _signature(metadata: dict) -> tuple[str, str | None]:
+    """("signed", key id) or ("unsigned", None) from a header alone; a malformed tag is a bad signature."""
+    try:
+        signed = auth.signature_of(metadata)
+    except ValueError:
+        return auth.BAD_SIGNATURE, None
+    return ("signed", signed[0]) if signed else (auth.UNSIGNED, None)
+
+
+def store_keys_for(key_file: Path | None, directory: str | None, name: str | None) -> auth.StoreKeys | None:
+    """The keys inspect-store and store check verify tags with: `key_file`, else (a cluster's
+    store, by --name or by default) its store_key file, else $KVCTL_STORE_KEY_FILE /
+    $KVCTL_STORE_KEY, else None. Raises BadInput for a key file that cannot be used."""
+    from kvctl.cluster.state import cluster_store_keys
+
+    try:
+        if key_file is not None:
+            return auth.read_key_file(key_file)
+        if directory is None:
+            return cluster_store_keys(name or "default")
+        return auth.keys_from()
+    except auth.StoreKeyError as e:
+        raise BadInput(str(e), field="key_file", fix="name a readable file of store keys, one per line") from None

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Sequence
 
 from connectors.config.topology import transfer_connector
+from connectors.store import auth
 from connectors.store.format import (EntryCorrupt, KVIdentity, compute_key, entry_path,
                                      parse_header, read_entry, token_ids_of)
 from kvctl.client import ChatResult
@@ -177,16 +178,20 @@ def check_kv_send_logged(match: KeyMatch | None, p_text: str, num_tokens: int,
     return CheckResult(name, True, " | ".join(evidence))
 
 
-def check_store_entry_written(store: Path, key: str, tokens: Sequence[int]) -> CheckResult:
-    """The entry for `key` exists, validates, and is for exactly these token ids."""
+def check_store_entry_written(store: Path, key: str, tokens: Sequence[int],
+                              keys: auth.StoreKeys | None = None) -> CheckResult:
+    """The entry for `key` exists, validates, and is for exactly these token ids (and, with the
+    cluster's store `keys`, carries a tag that verifies: what its decode instances require)."""
     name = "store_entry_written"
     if not key:
         return CheckResult(name, False, f"no key known for this prompt (P logged no KV send); store {store}")
     path = entry_path(store, key)
     try:
-        header, data = read_entry(path)
+        header, data = read_entry(path, keys=keys)
     except FileNotFoundError:
         return CheckResult(name, False, f"no entry at {path}")
+    except auth.EntryUnauthenticated as e:
+        return CheckResult(name, False, f"entry {path} is refused by the cluster's store key: {e.reason}")
     except EntryCorrupt as e:
         return CheckResult(name, False, f"corrupt entry {path}: {e.reason}")
     except OSError as e:
@@ -203,7 +208,9 @@ def check_store_entry_written(store: Path, key: str, tokens: Sequence[int]) -> C
     ident = header.identity
     return CheckResult(name, True, f"{path} ({header.file_size} bytes, {len(stored)} tokens, "
                                    f"{ident.num_layers} layers x {ident.kv_heads} kv heads x {ident.head_size}, "
-                                   f"{ident.dtype}); checksum ok; key recomputed from identity + tokens")
+                                   f"{ident.dtype}); checksum ok; key recomputed from identity + tokens"
+                                   + (f"; tag verified (key {auth.signature_of(header.metadata)[0]})"
+                                      if keys is not None else ""))
 
 
 def check_decode_skipped_forward(d_text: str, key: str, hint: str = "") -> CheckResult:

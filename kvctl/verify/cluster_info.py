@@ -18,11 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvctl.cluster.state import COMMAND_PREFIX, ClusterState, cluster_api_key, load_cluster
+from kvctl.cluster.state import COMMAND_PREFIX, ClusterState, cluster_api_key, cluster_store_keys, load_cluster
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
+
+if TYPE_CHECKING:
+    from connectors.store.auth import StoreKeys
 
 NO_LOG_SOURCE = "no log source was given for it (kvctl attach)"
 STORE_NOT_VISIBLE = "the store is not visible from this host (attached without a store path)"
@@ -56,6 +59,7 @@ class ClusterInfo:
     store_unobservable: str = ""
     instances: tuple[InstanceInfo, ...] = field(default=())  # every instance; () means prefill and decode
     api_key: str | None = field(default=None, repr=False)  # sent as `Authorization: Bearer KEY`
+    store_keys: "StoreKeys | None" = field(default=None, repr=False)  # the entries' tags are checked with these
     managed: bool = True  # False: attached (kvctl did not start it)
 
     def all_instances(self) -> tuple[InstanceInfo, ...]:
@@ -124,7 +128,8 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
         store_path, store_why = None, STORE_NOT_VISIBLE
     return ClusterInfo(name=name, model=str(model), store=store_path, prefill=instance(p_key),
                        decode=instance(d_key), endpoint=d.get("endpoint"), store_unobservable=store_why,
-                       instances=all_infos, api_key=cluster_api_key(name), managed=managed)
+                       instances=all_infos, api_key=cluster_api_key(name), managed=managed,
+                       store_keys=cluster_store_keys(name) if store_path is not None else None)
 
 
 def load_cluster_info(name: str, *, prefill: str | None = None, decode: str | None = None) -> ClusterInfo:

@@ -225,7 +225,8 @@ class ClusterVerifier:
                                   not_observable("store_entry_written", f"the entry is found by the key: {why}"))
         kv_send = check_kv_send_logged(match, text, len(tokens), self.children)
         store_entry = (not_observable("store_entry_written", self.info.store_unobservable) if self.info.store is None
-                       else check_store_entry_written(self.info.store, match.key if match else "", tokens))
+                       else check_store_entry_written(self.info.store, match.key if match else "", tokens,
+                                                      self.info.store_keys))
         return PrefillOutcome(tokens, result, match, kv_send, store_entry)
 
     def run_decode(self, prompt: str, key: str, max_tokens: int,

@@ -68,6 +68,9 @@ def render_launched(out: Output, state: ClusterState) -> None:
     if state.api_key_required:
         out.stdout.print("API key: required on /v1/* of every server and the router (kvctl keeps it in "
                          "the cluster dir's api_key file, mode 0600)", highlight=False)
+    if state.store_signed:
+        out.stdout.print("store entries: signed, and only signed ones served (keys: the cluster dir's "
+                         "store_key file, mode 0600)", highlight=False)
     out.info(f"store: {state.store}\nnext: `kvctl verify --name {state.name}`, "
              f"`kvctl down --name {state.name}`")
 

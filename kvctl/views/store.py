@@ -35,13 +35,17 @@ def _name(path: Path | str) -> str:
     return escape(text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace"))
 
 
+_SIGNATURE = {"verified": "[green]verified[/green]", "signed": "signed", "unsigned": "[yellow]unsigned[/yellow]",
+              "bad signature": "[red]bad signature[/red]"}
+
+
 def render_store_report(report: StoreReport, out: Output) -> None:
     table = Table(title=f"FS store {_name(str(report.root))}", title_justify="left", box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False)
     right = {"justify": "right"}
     for col, kw in (("key", {"no_wrap": True}), ("tokens", right), ("layers", right), ("kv heads", right),
                     ("head size", right), ("dtype", {}), ("bytes", {**right, "no_wrap": True}),
-                    ("created", {"no_wrap": True}), ("valid", {"no_wrap": True})):
+                    ("created", {"no_wrap": True}), ("signature", {"no_wrap": True}), ("valid", {"no_wrap": True})):
         table.add_column(col, **kw)
     for e in report.entries:
         ident = e.identity
@@ -50,7 +54,7 @@ def render_store_report(report: StoreReport, out: Output) -> None:
         table.add_row(e.key[:10] + "…", str(e.num_tokens) if ident else "?",
                       str(ident.num_layers) if ident else "?", str(ident.kv_heads) if ident else "?",
                       str(ident.head_size) if ident else "?", escape(str(ident.dtype)) if ident else "?",
-                      human_size(e.bytes), _when(e.created), valid)
+                      human_size(e.bytes), _when(e.created), _SIGNATURE.get(e.signature, "?"), valid)
     out.stdout.print(table)
     for e in report.invalid:
         out.stdout.print(f"[red]invalid[/red] {_name(e.path)}: {escape(e.error or '')}", highlight=False)
