@@ -24,7 +24,7 @@ PYTEST_ARGS ?=
 # $$KVCTL_HOME/models: the demo serves it, the tests find it there (as the rig).
 REAL_MODEL := SmolLM2-135M-Instruct
 
-.PHONY: venv rig rig-v1 real-model test-env docker-ready demo test test-fast bench clean FORCE
+.PHONY: venv rig rig-v1 real-model test-env docker-ready sshfs-ready demo test test-fast bench clean FORCE
 
 # kvctl itself: light (no torch, no vLLM), for driving clusters.
 $(STAMP): pyproject.toml
@@ -70,14 +70,19 @@ docker-ready: venv
 	bash scripts/ensure-docker.sh
 	$(KVCTL) image build cpu
 
+# openssh-server and sshfs: the store-across-hosts tests mount a store through a loopback
+# sshd (tests/sshfs.py starts and stops their own; this only installs, once).
+sshfs-ready:
+	bash scripts/ensure-sshfs.sh --install
+
 demo: rig
 	$(KVCTL) scenario run smoke-1p1d
 
 # The docker images and the V1 rig are independent installs (each under its own
 # lock): side by side they save minutes on a fresh machine.
 test: test-env
-	$(MAKE) -j2 docker-ready rig-v1 real-model
-	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 \
+	$(MAKE) -j2 docker-ready rig-v1 real-model sshfs-ready
+	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 KVCTL_REQUIRE_SSHFS=1 \
 	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider --durations=25 $(PYTEST_ARGS) tests
 
 # Everything that needs neither vLLM servers nor docker.

@@ -27,7 +27,9 @@ it does not depend on the paged cache's block size or device. FSConnector
 stores n = 1: the last prompt token's hidden state is all a decode instance
 needs to sample its first token (later tokens come from the KV). The header's
 `__metadata__` carries the format name and version, the identity fields that
-went into the key, and an xxh3-128 checksum of the whole data section.
+went into the key, and an xxh3-128 checksum of the whole data section. With
+store keys it also carries `mac`, a keyed BLAKE3 tag over data and header
+(connectors.store.auth): keyed readers serve only entries whose tag verifies.
 
 Key: blake2b-128 over the identity (model, layers, kv_parts, kv_heads,
 head_size, dtype, tp_rank, tp_size, format version) and the token ids. A reader
@@ -84,6 +86,7 @@ TEMP_NAME = re.compile(rf"\.[0-9a-f]{{{KEY_HEX_LEN}}}\.[0-9]{{1,10}}\.[0-9a-f]{{
 # safetensors caps the header at 100 MB; ours is a few hundred bytes.
 MAX_HEADER_BYTES = 1 << 20
 READ_CHUNK_BYTES = 8 << 20  # verify_entry streams the data section in chunks of this size
+STALE_RETRIES = 2  # open_entry looks a name up again this often after ESTALE (a network mount)
 
 # safetensors dtype tag -> bytes per element
 DTYPE_SIZES = {
@@ -327,15 +330,23 @@ def open_entry(path: Path | str) -> Iterator[tuple[BinaryIO, os.stat_result]]:
     `with` block gets the opened file's stat attached.
     """
     path = Path(path)
-    st = os.lstat(path)
-    if not stat_mod.S_ISREG(st.st_mode):
-        raise EntryCorrupt(path, f"{_what_is(st)}, not a regular file", stat=st)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink / socket since the lstat
-            raise EntryCorrupt(path, "not a regular file") from None
-        raise
+    for attempt in range(STALE_RETRIES + 1):
+        st = os.lstat(path)
+        if not stat_mod.S_ISREG(st.st_mode):
+            raise EntryCorrupt(path, f"{_what_is(st)}, not a regular file", stat=st)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+            break
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENXIO):  # swapped for a symlink / socket since the lstat
+                raise EntryCorrupt(path, "not a regular file") from None
+            # A network mount (NFS, sshfs) whose cached handle names a file replaced or
+            # evicted on another host: look the name up again; still stale, it is a miss.
+            if e.errno != errno.ESTALE:
+                raise
+            if attempt == STALE_RETRIES:
+                raise FileNotFoundError(errno.ENOENT, "entry replaced or removed on another host while "
+                                                      "opening it (stale file handle)", str(path)) from None
     f = os.fdopen(fd, "rb")
     try:
         st = os.fstat(fd)
