@@ -206,3 +206,60 @@ def test_visibility_lag_per_mount_options(sshd, tmp_path):
     if os.environ.get("KVCTL_NETFS_LAG_JSON"):
         Path(os.environ["KVCTL_NETFS_LAG_JSON"]).write_text(json.dumps(results, indent=1) + "\n")
     assert all(r["n"] for r in results.values())
+
+
+def test_verify_explains_a_miss_the_store_holds(tmp_path):
+    """D logged a miss for an entry that is in the store (P's side) and was published before D was
+    asked: verify's evidence names the mount's caching and the fix. Pure: log text and a real entry."""
+    from connectors import log_lines
+    from kvctl.verify.checks import check_decode_skipped_forward, explain_unseen_entry
+
+    ids, kv, hidden = entry()
+    saved = FSStore(tmp_path).save(IDENT, ids, kv, hidden)
+    created = fmt.parse_header(saved.path).created
+    miss = log_lines.REDO_FORWARD % (0, f"miss key={saved.key} tokens={len(ids)}")
+    assert not check_decode_skipped_forward(miss, saved.key).passed
+    why = explain_unseen_entry(tmp_path, saved.key, miss, created + 0.25)
+    assert f"the entry exists on P's side ({saved.path}, published 250 ms before D was asked)" in why
+    assert "did not see it within 250 ms" in why and "negative_timeout=0" in why and "lookupcache" in why
+    v1_miss = log_lines.KV_LOAD_NONE % (0, "r1", saved.key, len(ids), len(ids), 0, "miss")
+    assert explain_unseen_entry(tmp_path, saved.key, v1_miss, created + 1, "answered")
+    # Not a lagging view: published after D was asked, another reason, or no entry at all.
+    assert explain_unseen_entry(tmp_path, saved.key, miss, created - 1) == ""
+    corrupt = log_lines.REDO_FORWARD % (0, f"corrupt key={saved.key}: checksum mismatch")
+    assert explain_unseen_entry(tmp_path, saved.key, corrupt, created + 1) == ""
+    saved.path.unlink()
+    assert explain_unseen_entry(tmp_path, saved.key, miss, created + 1) == ""
+
+
+def test_doctor_store_on_a_local_disk_and_on_the_network_mount(sshd, tmp_path, capsys):
+    from kvctl.store.doctor import doctor_store
+
+    local = doctor_store(tmp_path)
+    assert local.passed and [c.name for c in local.checks] == [
+        "o_excl", "fsync", "atomic_rename", "free_space", "permissions", "mount_caching"]
+    assert not any(c.warning for c in local.checks)
+    assert sorted(os.listdir(tmp_path)) == []  # its probe files are gone
+    state, port = sshd
+    export = tmp_path / "export"
+    export.mkdir()
+    for options, warned in ((RECOMMENDED_OPTIONS, False), (NEGATIVE_CACHE_OPTIONS, True)):
+        with sshfs_mount(state, port, export, tmp_path / "mnt", options) as mnt:
+            remote = doctor_store(mnt)
+            assert remote.filesystem == "fuse.sshfs" and remote.passed, remote.to_json()
+            caching = next(c for c in remote.checks if c.name == "mount_caching")
+            assert caching.warning is warned, caching
+            if warned:
+                assert "negative_timeout=0" in caching.detail
+    too_full = doctor_store(tmp_path, min_free=1 << 60)
+    assert not too_full.passed and "bound the store" in next(c for c in too_full.checks
+                                                              if c.name == "free_space").detail
+
+
+def test_doctor_store_cli_exit_codes(kvctl, tmp_path):
+    ok = kvctl("doctor", "store", str(tmp_path), "--json")
+    assert ok.rc == 0 and json.loads(ok.stdout)["passed"] is True
+    full = kvctl("doctor", "store", str(tmp_path), "--min-free-gb", "1e12", "--json")
+    assert full.rc == 1 and json.loads(full.stdout)["passed"] is False
+    missing = kvctl("doctor", "store", str(tmp_path / "nope"))
+    assert missing.rc == 2 and "is not a directory" in missing.stderr

@@ -18,9 +18,11 @@ from kvctl.store.inspect import (
     resolve_store_dir,
 )
 from kvctl.views.output import Output
-from kvctl.views.store import render_check_verdict, render_fix, render_prune, render_store_report
+from kvctl.store.doctor import MIN_FREE_BYTES, doctor_store
+from kvctl.views.store import render_check_verdict, render_doctor, render_fix, render_prune, render_store_report
 
 store_app = typer.Typer(help="Check and maintain the FS KV store.", no_args_is_help=True)
+doctor_app = typer.Typer(help="Check that a path gives kvctl what it needs.", no_args_is_help=True)
 
 DIR_ARG = typer.Argument(None, metavar="[DIR]", help="Store directory (default: the store of --name).")
 NAME_OPT = typer.Option(None, "--name", "-n", help="Cluster whose store to read (default: 'default').")
@@ -35,6 +37,8 @@ def register(app: typer.Typer) -> None:
     store_app.command("check")(check_cmd)
     store_app.command("prune")(prune_cmd)
     app.add_typer(store_app, name="store")
+    doctor_app.command("store")(doctor_store_cmd)
+    app.add_typer(doctor_app, name="doctor")
 
 
 def inspect_store_cmd(
@@ -128,3 +132,24 @@ def prune_cmd(
     else:
         render_prune(report, out)
 
+
+
+def doctor_store_cmd(
+    path: Path = typer.Argument(..., metavar="PATH", help="The store directory (as P or D mounts it)."),
+    min_free_gb: float = typer.Option(MIN_FREE_BYTES / 2**30, "--min-free-gb", min=0,
+                                      help="Free space below this (GiB) fails the check."),
+    json_out: bool = JSON_OPT,
+) -> None:
+    """Check a store path for what the FS store needs: O_EXCL, fsync, atomic rename (a reader of the
+    replaced file reads it whole), free space, permissions and, on a network mount, lookup caching.
+
+    Exits 1 when a check fails.
+    """
+    out = Output(json_mode=json_out)
+    report = doctor_store(path, min_free=int(min_free_gb * 2**30))
+    if json_out:
+        out.emit_json(report.to_json())
+    else:
+        render_doctor(report, out)
+    if not report.passed:
+        raise typer.Exit(int(ExitCode.CHECK_FAILED))

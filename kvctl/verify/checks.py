@@ -365,3 +365,37 @@ def transfer_bytes(skip: markers.SkipForwardLine | None, send: markers.KVSendLin
         return parse_header(entry_path(store, key)).data_len
     except (EntryCorrupt, OSError):
         return None  # evicted since: unknown, rather than the whole batch's bytes
+
+
+UNSEEN_ENTRY_FIX = ("mount D's store without a negative lookup cache: NFS `lookupcache=positive` (or "
+                    "`actimeo=0`), sshfs/FUSE `negative_timeout=0` (docs/store-format.md, \"Network filesystems\")")
+
+
+def explain_unseen_entry(store: Path | None, key: str, d_text: str, asked_at: float | None,
+                         asked: str = "was asked") -> str:
+    """Why D missed an entry the store holds, or "": D's view of the store lags P's side.
+
+    Applies when D logged a miss for `key` (V0 redo `miss`, V1 `KV load NONE` /
+    `FAILED` with a miss) and the entry is in `store` (P's side, as kvctl sees it),
+    created before D was asked (`asked_at`, Unix time; through the endpoint, when
+    D had answered: `asked` says which): a network mount's lookup cache kept
+    showing D the name as absent.
+    """
+    if store is None or not key or asked_at is None:
+        return ""
+    missed = (any(r.mentions(key) and r.reason.startswith("miss") for r in markers.redo_forwards(d_text))
+              or any(ld.key == key and ld.outcome != "DONE" and ld.reason.startswith("miss")
+                     for ld in markers.kv_loads(d_text)))
+    if not missed:
+        return ""
+    path = entry_path(store, key)
+    try:
+        header = parse_header(path)
+    except (OSError, EntryCorrupt):
+        return ""
+    ahead_ms = (asked_at - header.created) * 1e3
+    if ahead_ms <= 0:
+        return ""  # published only after D was asked: a race, not a stale view
+    return (f"the entry exists on P's side ({path}, published {ahead_ms:.0f} ms before D {asked}), but D did "
+            f"not see it within {ahead_ms:.0f} ms: D's view of the store lags P's (a network mount's lookup or "
+            f"attribute cache: NFS lookupcache/actimeo, FUSE negative_timeout); fix: {UNSEEN_ENTRY_FIX}")

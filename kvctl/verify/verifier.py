@@ -38,6 +38,7 @@ captured for as long as `run_verify` runs (kvctl.verify.log_files).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -68,6 +69,7 @@ from kvctl.verify.checks import (
     check_kv_send_logged,
     check_output_matches_baseline,
     check_store_entry_written,
+    explain_unseen_entry,
     match_request_key,
     not_observable,
     third_party_checks,
@@ -237,13 +239,18 @@ class ClusterVerifier:
         observable); the skip check is then not observable either.
         """
         start = self.d_log.offset()
+        asked_at = time.time()
         result = self.decode.chat(user_messages(prompt), max_tokens=max_tokens, headers=_id_header(request_id))
-        check, text = self.decode_evidence(key, start, key_unknown)
+        check, text = self.decode_evidence(key, start, key_unknown, asked_at=asked_at)
         return result, check, text
 
     def decode_evidence(self, key: str, start: tuple[int, ...], key_unknown: str = "",
-                        log: LogPool | None = None) -> tuple[CheckResult, str]:
-        """D's skip (or redo) line for `key` in what D logged since `start` (in `log`: default every D)."""
+                        log: LogPool | None = None, asked_at: float | None = None,
+                        asked: str = "was asked") -> tuple[CheckResult, str]:
+        """D's skip (or redo) line for `key` in what D logged since `start` (in `log`: default every D).
+
+        A miss for an entry the store holds, published before D was asked
+        (`asked_at`, Unix time), is explained (checks.explain_unseen_entry)."""
         log = log or self.d_log
         if not log.observable:
             return not_observable("decode_skipped_forward", f"D's log ({log.unobservable})"), ""
@@ -267,7 +274,11 @@ class ClusterVerifier:
         cfg = self.info.decode.kv_transfer_config
         hint = ("D was launched without a kv-transfer-config" if not cfg
                 else f"D's kv-transfer-config: {json.dumps(cfg, separators=(',', ':'))}")
-        return check_decode_skipped_forward(text, key, hint), text
+        check = check_decode_skipped_forward(text, key, hint)
+        unseen = "" if check.passed else explain_unseen_entry(self.info.store, key, text, asked_at, asked)
+        if unseen:
+            check = dataclasses.replace(check, evidence=f"{check.evidence}; {unseen}")
+        return check, text
 
     def run_baseline(self, prompt: str, max_tokens: int) -> ChatResult:
         return self.prefill.chat(user_messages(prompt), max_tokens=max_tokens,
@@ -356,6 +367,7 @@ class ClusterVerifier:
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
         sent_id = new_request_id()
         dec = self.endpoint.chat(messages, max_tokens=max_tokens, headers=_id_header(sent_id))
+        answered_at = time.time()  # the router asked P, then D: D looked the entry up before this
         p_log, p_off, p_name, p_note = _follow(self.p_log, p_start, dec.headers.get(PREFILL_HEADER.lower()),
                                                PREFILL_HEADER)
         d_log, d_off, d_name, d_note = _follow(self.d_log, d_start, dec.headers.get(DECODE_HEADER.lower()),
@@ -373,7 +385,8 @@ class ClusterVerifier:
             return report
         pre = self.prefill_evidence(tokens, dec, p_off, p_log)
         key_unknown = "" if pre.match is not None or p_log.complete else self._p_unseen(p_log)
-        skip_check, d_text = self.decode_evidence(pre.key, d_off, key_unknown, d_log)
+        skip_check, d_text = self.decode_evidence(pre.key, d_off, key_unknown, d_log, asked_at=answered_at,
+                                                  asked="answered")
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
         report = self._report(prompt, pre, dec, skip_check, d_text, base)

@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from connectors.store.eviction import EvictionReport
+from kvctl.store.doctor import DoctorReport
 from kvctl.store.inspect import FixResult, StoreReport
 from kvctl.views.output import Output, human_size
 
@@ -100,3 +101,13 @@ def render_prune(report: EvictionReport, out: Output) -> None:
     n = len(report.removed)
     out.stdout.print(f"removed {n} entr{'y' if n == 1 else 'ies'} ({human_size(report.freed_bytes)}); "
                      f"{human_size(report.total_bytes)} of entries left", highlight=False)
+
+
+def render_doctor(report: DoctorReport, out: Output) -> None:
+    """`kvctl doctor store`: one line per check, then the verdict."""
+    out.stdout.print(f"store path {_name(str(report.path))} on {escape(report.filesystem)} "
+                     f"({escape(report.mount_options) or 'no options'})", highlight=False)
+    for c in report.checks:
+        mark = ("[yellow]warn[/yellow]" if c.warning else "[green]ok[/green]") if c.passed else "[red]FAIL[/red]"
+        out.stdout.print(f"  {mark} {c.name}: {escape(c.detail)}", highlight=False)
+    out.stdout.print("[green]passed[/green]" if report.passed else "[red]failed[/red]", highlight=False)
