@@ -433,12 +433,28 @@ class PublishGuard(Protocol):
     def publishing(self, nbytes: int, final: str) -> ContextManager[object]: ...
 
 
+def entry_mode(root: Path | str) -> int:
+    """The permission bits the store directory's policy gives its entries and temp files.
+
+    The owner reads and writes; the group reads when the directory lets the
+    group in (x), others read when it lets others in. The umask is not applied:
+    a shared store (a group, a setgid directory: entries then get its group)
+    stays readable by the group's readers whatever the writer's umask, and a
+    directory closed to others keeps its entries closed. Nobody but the owner
+    may write an entry (a new entry is a new file, renamed in). Raises OSError.
+    """
+    mode = stat_mod.S_IMODE(os.stat(root).st_mode)
+    return 0o600 | (0o040 if mode & 0o010 else 0) | (0o004 if mode & 0o001 else 0)
+
+
 def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[str, TensorBlob],
                 *, fsync: bool = True, guard: PublishGuard | None = None,
-                keys: auth.StoreKeys | None = None) -> Path:
+                keys: auth.StoreKeys | None = None, mode: int | None = None) -> Path:
     """Publish an entry atomically; returns its final path.
 
     With `keys`, the entry carries a tag made with the first key (auth).
+    The temp file (and so the entry) gets `mode` from its creation on
+    (default: `entry_mode(root)`, the directory's policy).
 
     The entry is written (and with `fsync`, fsync'ed) under a fresh temp name
     first (created exclusively, never through a symlink), then renamed. A
@@ -471,9 +487,10 @@ def write_entry(root: Path | str, key: str, identity: KVIdentity, blobs: dict[st
     if guard is not None:
         guard.before_write(size)
     tmp = f"{root_s}/.{key}.{os.getpid()}.{secrets.token_hex(TEMP_RAND_HEX_LEN // 2)}{TEMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         try:
+            os.fchmod(fd, entry_mode(root_s) if mode is None else mode)  # the umask does not decide
             _write_all(fd, [struct.pack("<Q", len(header)) + header, *ordered], 0)
             if fsync:
                 os.fsync(fd)

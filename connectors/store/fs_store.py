@@ -84,6 +84,7 @@ class FSStore:
         self.root = Path(root)
         self.fsync = fsync
         self.keys = keys
+        self._mode: int | None = None  # entries' permission bits (format.entry_mode), at the first save
         self._local = threading.local()  # load_into's staging buffer, one per thread
         bounded = max_bytes is not None or ttl_seconds is not None
         self.guard = BoundedPublish(self.root, max_bytes, ttl_seconds) if bounded else None
@@ -159,7 +160,10 @@ class FSStore:
         return fmt.remove_store_file(found, unchanged=True)
 
     def _write(self, key: str, identity: fmt.KVIdentity, blobs: dict[str, fmt.TensorBlob]) -> Path:
-        return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard, keys=self.keys)
+        if self._mode is None:
+            self._mode = fmt.entry_mode(self.root)  # once: a publish costs no extra stat
+        return fmt.write_entry(self.root, key, identity, blobs, fsync=self.fsync, guard=self.guard, keys=self.keys,
+                               mode=self._mode)
 
     def load(self, identity: fmt.KVIdentity, token_ids: Sequence[int],
              device: torch.device | str = "cpu", *, hidden_size: int | None = None,
