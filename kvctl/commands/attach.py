@@ -50,6 +50,7 @@ def attach_cmd(
     --file cluster.yaml, or --from-k8s DIR. Then status, verify, inspect-store and
     scenarios work on it; `kvctl detach NAME` forgets it; `kvctl down` refuses it.
     Servers that require an API key: set $KVCTL_API_KEY; verify and bench send it (never stored).
+    Servers that sign store entries: --store-key-file PATH, and verify and inspect-store check the tags.
     """
     out = Output(json_mode=json_)
     try:
