@@ -158,3 +158,37 @@ def test_keys_come_from_a_file_or_the_environment(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="KVCTL_STORE_KEY is set but holds no key"):
         open_store_keys(parse_fs_settings({"fs_storage_path": str(tmp_path)}))
     assert "secret" not in repr(ROTATING) + repr(ROTATING.signer) + auth.describe(ROTATING)
+
+
+def test_launch_keys_the_store_by_default(tmp_path, monkeypatch):
+    from kvctl.cluster.state import launch_store_keys
+    from kvctl.errors import BadInput
+
+    monkeypatch.delenv(auth.KEY_FILE_ENV, raising=False)
+    [generated] = launch_store_keys(True)
+    assert len(generated) == 64 and int(generated, 16) >= 0 and launch_store_keys(True) != (generated,)
+    assert launch_store_keys(False) == ()
+    key_file = tmp_path / "keys"
+    key_file.write_text("new-secret\nold-secret\n")
+    assert launch_store_keys(True, key_file) == ("new-secret", "old-secret")
+    monkeypatch.setenv(auth.KEY_FILE_ENV, str(key_file))
+    assert launch_store_keys(True) == ("new-secret", "old-secret")
+    key_file.write_text("# nothing\n")
+    with pytest.raises(BadInput, match="holds no key") as e:
+        launch_store_keys(True, key_file)
+    assert e.value.fields == ("store_key_file",)
+    key_file.write_text("a key with spaces\n")
+    with pytest.raises(BadInput, match="whitespace"):
+        launch_store_keys(True, key_file)
+
+
+def test_servers_get_the_keys_in_their_environment(tmp_path, monkeypatch):
+    from kvctl.runtime.base import InstanceSpec, vllm_server_env
+
+    spec = InstanceSpec(cluster="c", role="decode", model=tmp_path, served_model_name="m", dtype="float32",
+                        port=1, cwd=tmp_path, log_path=tmp_path / "log", store_keys=("k1", "k2"))
+    assert vllm_server_env(spec)[auth.KEY_ENV] == "k1,k2"
+    assert "k1" not in repr(spec)
+    unkeyed = InstanceSpec(cluster="c", role="decode", model=tmp_path, served_model_name="m", dtype="float32",
+                           port=1, cwd=tmp_path, log_path=tmp_path / "log")
+    assert auth.KEY_ENV not in vllm_server_env(unkeyed)
