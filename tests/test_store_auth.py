@@ -192,3 +192,18 @@ def test_servers_get_the_keys_in_their_environment(tmp_path, monkeypatch):
     unkeyed = InstanceSpec(cluster="c", role="decode", model=tmp_path, served_model_name="m", dtype="float32",
                            port=1, cwd=tmp_path, log_path=tmp_path / "log")
     assert auth.KEY_ENV not in vllm_server_env(unkeyed)
+
+
+def test_a_damaged_signed_entry_is_corrupt_a_forged_one_is_a_bad_signature(tmp_path):
+    """A keyed reader checks the checksum before the tag: a flipped byte is damage (corrupt, removed
+    as ever); a forged entry's checksum is right, so only its tag fails (refused, kept)."""
+    ids, kv, hidden = make_entry()
+    keyed = FSStore(tmp_path, keys=NEW)
+    saved = keyed.save(IDENT, ids, kv, hidden)
+    raw = bytearray(saved.path.read_bytes())
+    raw[-100] ^= 0x55
+    saved.path.write_bytes(bytes(raw))
+    for read in (lambda: load_into(keyed, ids), lambda: keyed.load(IDENT, ids),
+                 lambda: fmt.verify_entry(saved.path, NEW)):
+        with pytest.raises(fmt.EntryCorrupt, match="checksum mismatch"):
+            read()

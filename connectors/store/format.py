@@ -716,11 +716,11 @@ def read_data(path: Path | str, f: BinaryIO, header: EntryHeader, into=None,
     got = _read_into(f, view)
     if got != n:
         raise EntryCorrupt(path, f"short read: {got} of {n} data bytes")
-    if tag is not None:
-        tag.update(view)
-        tag.finish()
     if checksum([view]) != header.checksum:
         raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
+    if tag is not None:  # after the checksum: a damaged entry is corrupt, a forged one (right checksum) is not
+        tag.update(view)
+        tag.finish()
     begin, end = header.span("token_ids")
     expected_key = key_from_token_bytes(header.identity, view[begin:end])
     if path.name != f"{expected_key}{ENTRY_SUFFIX}":
@@ -771,8 +771,9 @@ def verify_data(path: Path | str, f: BinaryIO, header: EntryHeader, keys: auth.S
     zeros they read as, without reading them. The key (from the token ids, at
     the start of the data) is checked before the rest is read, so a renamed or
     re-headered file fails fast. With `keys`, the tag is checked too (rule
-    12): an unsigned entry before any data is read, the tag at the end (before
-    the checksum, so a forged entry is reported as such, whatever its data).
+    12): an unsigned entry before any data is read, the tag at the end, after
+    the checksum (a damaged entry is corrupt; a forged one, whose checksum is
+    right, is a bad signature).
     Raises EntryUnauthenticated, EntryCorrupt, OSError.
     """
     path = Path(path)
@@ -801,10 +802,10 @@ def verify_data(path: Path | str, f: BinaryIO, header: EntryHeader, keys: auth.S
         pos += len(chunk)
         if pos == tokens_end and path.name != f"{key_hash.hexdigest()}{ENTRY_SUFFIX}":
             raise EntryCorrupt(path, f"content hashes to key {key_hash.hexdigest()}, not the file name")
-    if tag is not None:
-        tag.finish()
     if "xxh3_128:" + data_hash.hexdigest() != header.checksum:
         raise EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
+    if tag is not None:
+        tag.finish()
     if negative:
         raise EntryCorrupt(path, f"{negative} negative token ids (first: {first_negative})")
 

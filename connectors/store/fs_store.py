@@ -219,14 +219,15 @@ class FSStore:
         only at the end: on EntryCorrupt or EntryUnauthenticated raised after
         `write_layer` ran, what it wrote is not the entry's and must not be
         used (the consumer recomputes the prefill, which overwrites those
-        slots). A keyed load checks the tag instead of the checksum (the tag
-        proves integrity too; hashing twice would only cost time).
+        slots). A keyed load checks the checksum first (a damaged entry is
+        corrupt, removed as ever), then the tag (a forged entry's checksum is
+        right).
         """
         start = time.perf_counter()
         with self._open_fitting(identity, token_ids, hidden_size, hidden_dtype) as (key, raw_tokens, path, f, header):
             fd, base = f.fileno(), header.data_start
             tag = header.tag_check(self.keys) if self.keys is not None else None
-            digest = tag if tag is not None else xxhash.xxh3_128()
+            digest = xxhash.xxh3_128()
             begin, end = header.span("token_ids")
             stored = os.pread(fd, end - begin, base + begin)
             if len(stored) != end - begin:
@@ -237,6 +238,8 @@ class FSStore:
                     raise fmt.EntryCorrupt(path, f"content hashes to key {expected}, not the file name")
                 raise TokenMismatch(f"{path.name}: stored token ids differ from the prompt's")
             digest.update(stored)
+            if tag is not None:
+                tag.update(stored)
             kv_info = header.tensors["kv"]
             kv_begin, kv_end = header.span("kv")
             layers = identity.num_layers
@@ -250,6 +253,8 @@ class FSStore:
                 view = memoryview(chunk.numpy())
                 _pread_exact(path, fd, view, base + kv_begin + first * layer_bytes)
                 digest.update(view)
+                if tag is not None:
+                    tag.update(view)
                 kv_chunk = chunk.view(kv_dtype).view([count, *kv_info["shape"][1:]])
                 for i in range(count):
                     write_layer(first + i, kv_chunk[i])
@@ -259,10 +264,12 @@ class FSStore:
                 hview = memoryview(hidden_raw.numpy())
                 _pread_exact(path, fd, hview, base + h_begin)
                 digest.update(hview)
-            if tag is not None:
-                tag.finish()
-            elif "xxh3_128:" + digest.hexdigest() != header.checksum:
+                if tag is not None:
+                    tag.update(hview)
+            if "xxh3_128:" + digest.hexdigest() != header.checksum:
                 raise fmt.EntryCorrupt(path, "checksum mismatch: data does not match the checksum in the header")
+            if tag is not None:  # a forged entry carries a right checksum: only the tag tells
+                tag.finish()
             _touch(f)
         info = header.tensors["hidden"]
         hidden = hidden_raw.view(TAG_TO_TORCH[info["dtype"]]).view(info["shape"])

@@ -35,9 +35,9 @@ DEFINITIONS: dict[str, tuple[bool, str]] = {
     "load_to_cache_vs_per_layer_safetensors": (True, "into a paged cache, vs a safetensors file per layer (mapped)"),
     "load_to_cache_vs_seed_safetensors": (True, "into a paged cache, vs the seed's one file [2, L, T, H, D] (mapped)"),
     "save_mac_vs_unkeyed": (True, "save with a store key (entry signed: keyed BLAKE3 tag) vs without: throughput"),
-    "load_mac_vs_unkeyed": (True, "load with a store key (tag checked) vs without (checksum checked): throughput"),
-    "load_to_cache_mac_vs_unkeyed": (True, "KV into a paged cache from a keyed store (tag checked instead of the "
-                                           "checksum) vs from an unkeyed one"),
+    "load_mac_vs_unkeyed": (True, "load with a store key (checksum and tag checked) vs without: throughput"),
+    "load_to_cache_mac_vs_unkeyed": (True, "KV into a paged cache from a keyed store (checksum and tag checked) "
+                                           "vs from an unkeyed one"),
     "publish_p50_100k_vs_1k": (False, "bounded store at its bound: p50 publish latency (eviction included) with "
                                       "100k entries / with 1k entries"),
     "lookup_p50_100k_vs_1k": (False, "p50 latency of an already-stored check (header read) with 100k / 1k entries"),

@@ -330,7 +330,7 @@ def bench_to_cache(root: Path, mb: float, repeat: int, progress: Progress) -> di
     """Load one entry's KV into a paged cache, every way; best of `repeat` after a warm-up, warm page cache.
 
     ours            FSStore.load_into: per layer, read into a reused staging buffer, hash, scatter
-    ours_mac        the same from a keyed store: the tag is checked instead of the checksum
+    ours_mac        the same from a keyed store: the tag is checked too (after the checksum)
     ours_two_pass   FSStore.load (the whole entry read and checked), then scatter_layers
     per_layer_st    safetensors.load_file per layer (mapped lazily), each scattered from the mapping
     seed_st         the seed's one file [2, L, T, H, D] (mapped), each layer scattered from it
