@@ -75,8 +75,8 @@ docker-ready: venv
 sshfs-ready:
 	bash scripts/ensure-sshfs.sh --install
 
-demo: rig
-	$(KVCTL) scenario run smoke-1p1d
+demo: rig real-model
+	$(KVCTL) scenario run demo-1p1d
 
 # The docker images and the V1 rig are independent installs (each under its own
 # lock): side by side they save minutes on a fresh machine.
