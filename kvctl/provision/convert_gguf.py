@@ -36,6 +36,7 @@ def convert(gguf: Path, out: Path, dtype: str) -> dict:
                                                  torch_dtype=torch_dtype)
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    _plain_tokenizer_class(out / "tokenizer_config.json")
     for name in LEFTOVERS:
         (out / name).unlink(missing_ok=True)
     for stray in out.glob("*.gguf"):
@@ -47,6 +48,9 @@ def convert(gguf: Path, out: Path, dtype: str) -> dict:
                                       add_generation_prompt=True)
     if not prompt or not back.encode(prompt):
         raise SystemExit(f"the converted tokenizer in {out} renders no chat prompt")
+    sample = "Hello world, Paris"
+    if sample not in back.decode(back.encode(sample, add_special_tokens=False)):
+        raise SystemExit(f"the converted tokenizer in {out} does not round-trip {sample!r}")
     return {"files": {p.name: p.stat().st_size for p in sorted(out.iterdir())},
             "architecture": (config.architectures or [None])[0],
             "layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
@@ -56,6 +60,19 @@ def convert(gguf: Path, out: Path, dtype: str) -> dict:
             "converted_with": {"transformers": transformers.__version__, "torch": torch.__version__,
                                "gguf": getattr(gguf_pkg, "__version__", None) or _dist_version("gguf"),
                                "accelerate": accelerate.__version__}}
+
+
+def _plain_tokenizer_class(path: Path) -> None:
+    """Name the tokenizer class that reads tokenizer.json as it is.
+
+    The GGUF loader writes `LlamaTokenizer`; for this byte-level BPE, newer
+    transformers (vLLM 0.32's) then rebuild its pre-tokenizer and decoder the
+    sentencepiece way and mangle every space. PreTrainedTokenizerFast takes
+    tokenizer.json whole, in every version.
+    """
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _dist_version(name: str) -> str | None:

@@ -25,7 +25,7 @@ from kvctl.errors import BadInput
 
 CATALOG_ENV = "KVCTL_MODEL_CATALOG"
 # Bump when the conversion writes other files for the same inputs: cached models rebuild.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 
 @dataclass(frozen=True)
