@@ -76,6 +76,11 @@ V1_MULTI_CONNECTOR = "MultiConnector"  # vLLM's own, V1
 MULTI_ENGINES = {MULTI_CONNECTOR: "v0", V1_MULTI_CONNECTOR: "v1"}
 # V1 connectors that save and load whatever their kv_role says (vLLM 0.32's ExampleConnector).
 ROLE_BLIND_V1 = ("ExampleConnector", "SharedStorageConnector")
+# LMCache's multi-process connector (V1): a client of a separate `lmcache server` process, which
+# kvctl runs beside the instance (kvctl.cluster.lmcache); `lmcache.mp.host`/`port` name it.
+LMCACHE_MP_CONNECTOR = "LMCacheMPConnector"
+# LMCache's in-process V1 connector: no CPU path in LMCache 0.5.6 (it recomputes every prompt there).
+LMCACHE_V1_CONNECTOR = "LMCacheConnectorV1"
 # Extra-config keys naming a directory a connector writes: ours, and ExampleConnector's.
 STORAGE_PATH_KEYS = ("fs_storage_path", "shared_storage_path")
 
@@ -227,6 +232,16 @@ def handshake_connector(cfg: object) -> str | None:
     """The connector of a prefill config that needs the router's kv_transfer_params
     handshake (HANDSHAKE_CONNECTORS: itself, or a multi connector's child), else None."""
     return next((n for n in connector_names(cfg) if n in HANDSHAKE_CONNECTORS), None)
+
+
+def named_connectors(cfg: object, name: str) -> list[tuple[int | None, Mapping[str, Any]]]:
+    """(child index, config) of every connector called `name` in the config: the config itself
+    (index None), or a multi connector's children of that name, in config order."""
+    if not isinstance(cfg, Mapping):
+        return []
+    if multi_engine(cfg) is None:
+        return [(None, cfg)] if cfg.get("kv_connector") == name else []
+    return [(c.index, c.config) for c in children(cfg) if c.connector == name]
 
 
 def fs_storage_paths(cfg: object) -> list[str]:

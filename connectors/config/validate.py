@@ -54,7 +54,8 @@ from typing import Callable, Iterable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.config import topology
-from connectors.config.topology import FS_CONNECTOR, MULTI_CONNECTOR, ROLE_BLIND_V1, ROLES, V1_MULTI_CONNECTOR
+from connectors.config.topology import (FS_CONNECTOR, LMCACHE_MP_CONNECTOR, LMCACHE_V1_CONNECTOR, MULTI_CONNECTOR,
+                                        ROLE_BLIND_V1, ROLES, V1_MULTI_CONNECTOR)
 
 # Names vLLM 0.9.2's KVConnectorFactory can build as V0 connectors, plus ours
 # (registered by connectors.plugin).
@@ -129,6 +130,39 @@ KV_TRANSFER_FIELDS_V1: dict[str, tuple[type, ...]] = {
     "enable_permute_local_kv": (bool,),
     "kv_load_failure_policy": (str,),
 }
+
+# LMCacheMPConnector's `kv_connector_extra_config` (LMCache 0.5.6: lmcache_mp_connector.py and
+# vllm_multi_process_adapter.py's ExtraConfigDefault) -> the JSON types each accepts. LMCache
+# ignores any other key, so a misspelt one silently falls back to its default (the port: 5555).
+LMCACHE_MP_EXTRA: dict[str, tuple[type, ...]] = {
+    "lmcache.mp.host": (str,),  # "tcp://127.0.0.1": the server's ZMQ address, scheme included
+    "lmcache.mp.port": (int,),
+    "lmcache.mp.server_urls": (str, list),  # several servers; wins over host/port
+    "lmcache.mp.mq_timeout": (int, float),  # seconds for blocking requests (default 300)
+    "lmcache.mp.heartbeat_interval": (int, float),
+    "lmcache.mp.nonblocking_lookup_status": (bool,),
+    "lmcache.mp.mp_transfer_mode": (str,),
+    "lmcache.mp.isolated_ipc": (bool,),
+    "lmcache.mp.use_vmm_api": (bool,),
+    "lmcache.mp.hash_algorithm": (str,),
+    "lmcache.mp.save_decode_cache": (bool,),
+    "lmcache.mp.eager_prefetch": (bool,),
+    "lmcache.mp.lazy_offload": (bool,),
+    "lmcache.mp.lazy_offload_policy": (str,),
+    "lmcache.mp.lazy_offload_select_count": (int,),
+    "lmcache.mp.lazy_offload_threshold": (int, float),
+    "lmcache.mp.transfer_intermediate_tensors": (bool,),
+    "lmcache.mp.autostart": (bool,),
+    "lmcache.mp.autostart.server_args": (str, list),
+    "lmcache.mp.autostart.wait_timeout": (int, float),
+}
+LMCACHE_TRANSFER_MODES = ("auto", "engine_driven", "lmcache_driven")  # auto: engine_driven on CPU
+# Why the in-process connector is refused on CPU, and what to run instead (validate, launch).
+LMCACHE_V1_ON_CPU = ("LMCacheConnectorV1 has no CPU path in LMCache 0.5.6: on a CPU-only host it logs "
+                     "`No supported cpu connector found`, falls back to recomputing every prompt and "
+                     "never hits, while the server looks healthy")
+LMCACHE_V1_ON_CPU_FIX = ('use "LMCacheMPConnector" (LMCache\'s multi-process mode; kvctl starts its '
+                         '`lmcache server` beside the instance), or run on a GPU')
 
 Severity = Literal["error", "warning"]
 
@@ -304,11 +338,13 @@ def _check_fs_extra(extra: object, prefix: str) -> list[ConfigProblem]:
 
 
 def check_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None,
-                             engine: str = "v0") -> list[ConfigProblem]:
+                             engine: str = "v0", device: str | None = None) -> list[ConfigProblem]:
     """Every problem in a whole `--kv-transfer-config` dict ([] when valid), for `engine`.
 
     `registered`: connector names the V0 factory knows (default
-    KNOWN_V0_CONNECTORS; on v1, V1's names and FSConnector are added). Never
+    KNOWN_V0_CONNECTORS; on v1, V1's names and FSConnector are added).
+    `device`: where the server runs, "cpu" or "gpu" (None: unknown); anything but
+    "gpu" warns about LMCacheConnectorV1, which cannot serve on CPU. Never
     raises (an unknown engine is a problem at `$`).
     """
     if engine not in ENGINES:
@@ -317,13 +353,13 @@ def check_kv_transfer_config(cfg: object, registered: Iterable[str] | None = Non
     if engine == "v1":
         names = tuple(dict.fromkeys(tuple(n for n in names if n not in V0_ONLY_CONNECTORS)
                                     + VLLM_V1_CONNECTORS + ("SharedStorageConnector", "P2pNcclConnector")))
-    return _check_config(cfg, "$", names, parent_role=None, engine=engine)
+    return _check_config(cfg, "$", names, parent_role=None, engine=engine, device=device)
 
 
 def validate_kv_transfer_config(cfg: object, registered: Iterable[str] | None = None,
-                                engine: str = "v0") -> None:
+                                engine: str = "v0", device: str | None = None) -> None:
     """Raise ConfigError listing every error (warnings alone pass)."""
-    problems = check_kv_transfer_config(cfg, registered, engine)
+    problems = check_kv_transfer_config(cfg, registered, engine, device)
     if any(p.severity == "error" for p in problems):
         raise ConfigError(problems)
 
@@ -345,7 +381,7 @@ def required_engine(cfg: object) -> str | None:
 
 
 def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
-                  parent_role: str | None, engine: str = "v0") -> list[ConfigProblem]:
+                  parent_role: str | None, engine: str = "v0", device: str | None = None) -> list[ConfigProblem]:
     if not isinstance(cfg, dict):
         return [ConfigProblem(prefix, f"must be an object, got {_type_name(cfg)}",
                               'use {"kv_connector": "<name>", "kv_role": "<role>", ...}')]
@@ -353,8 +389,8 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
     name = cfg.get("kv_connector")
     multi = V1_MULTI_CONNECTOR if engine == "v1" else MULTI_CONNECTOR
     fields = KV_TRANSFER_FIELDS_V1 if engine == "v1" else KV_TRANSFER_FIELDS
-    # Our connectors' extra config gets its own, more specific check below.
-    own_extra = name in (FS_CONNECTOR, multi)
+    # Our connectors' (and LMCacheMPConnector's) extra config gets its own, more specific check below.
+    own_extra = name in (FS_CONNECTOR, multi, LMCACHE_MP_CONNECTOR)
     for key, value in cfg.items():
         if key == "kv_connector_extra_config" and own_extra:
             continue
@@ -390,8 +426,48 @@ def _check_config(cfg: object, prefix: str, registered: tuple[str, ...],
     extra = cfg.get("kv_connector_extra_config")
     if name == FS_CONNECTOR:
         problems += _check_fs_extra(extra, extra_path)
+    elif name == LMCACHE_MP_CONNECTOR:
+        problems += _check_lmcache_mp_extra(extra, extra_path)
     elif name == multi and parent_role is None:
-        problems += _check_multi(cfg, extra_path, registered, engine)
+        problems += _check_multi(cfg, extra_path, registered, engine, device)
+    if name == LMCACHE_V1_CONNECTOR and engine == "v1" and device != "gpu":
+        problems.append(ConfigProblem(json_path(prefix, "kv_connector"), LMCACHE_V1_ON_CPU + (
+            "" if device == "cpu" else " (if this server has no GPU)"), LMCACHE_V1_ON_CPU_FIX, "warning"))
+    return problems
+
+
+def _check_lmcache_mp_extra(extra: object, prefix: str) -> list[ConfigProblem]:
+    """LMCacheMPConnector's extra config: known `lmcache.mp.*` keys of the right JSON types."""
+    if extra is None:
+        return []  # LMCache's defaults (tcp://localhost:5555); kvctl fills in its server's address
+    if not isinstance(extra, dict):
+        return [ConfigProblem(prefix, f"must be an object, got {_type_name(extra)}",
+                              'use {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5555}')]
+    problems = []
+    for key, value in extra.items():
+        path = json_path(prefix, key)
+        if key not in LMCACHE_MP_EXTRA:
+            problems.append(ConfigProblem(path, f"unknown key {key!r}: LMCache ignores it, so its setting "
+                                                "silently keeps the default", _unknown_key_fix(key, LMCACHE_MP_EXTRA)))
+        elif not _is_type(value, LMCACHE_MP_EXTRA[key]):
+            types = LMCACHE_MP_EXTRA[key]
+            want = " or ".join(_JSON_TYPE_NAMES[t] for t in types if t is not float or int not in types)
+            want = "a number" if float in types else want
+            problems.append(ConfigProblem(path, f"must be {want}, got {_shown(value)}",
+                                          f"give {key} as {want}" + (", without quotes" if str not in types else "")))
+    host, port = extra.get("lmcache.mp.host"), extra.get("lmcache.mp.port")
+    if isinstance(host, str) and "://" not in host:
+        problems.append(ConfigProblem(json_path(prefix, "lmcache.mp.host"),
+                                      f"{_shown(host)} has no transport scheme",
+                                      f'write it as "tcp://{host}" (LMCache\'s server speaks ZMQ over TCP)'))
+    if isinstance(port, int) and not isinstance(port, bool) and not 0 < port < 65536:
+        problems.append(ConfigProblem(json_path(prefix, "lmcache.mp.port"), f"port {port} is out of range",
+                                      "use 1024-65535, or leave it out: kvctl gives its server a free port"))
+    mode = extra.get("lmcache.mp.mp_transfer_mode")
+    if isinstance(mode, str) and mode not in LMCACHE_TRANSFER_MODES:
+        problems.append(ConfigProblem(json_path(prefix, "lmcache.mp.mp_transfer_mode"),
+                                      f"{_shown(mode)} is not a transfer mode",
+                                      f"use one of {', '.join(LMCACHE_TRANSFER_MODES)} (auto: engine_driven on CPU)"))
     return problems
 
 
@@ -453,7 +529,8 @@ def _check_role(role: object, prefix: str, parent_role: str | None) -> list[Conf
     return []
 
 
-def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...], engine: str = "v0") -> list[ConfigProblem]:
+def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...], engine: str = "v0",
+                 device: str | None = None) -> list[ConfigProblem]:
     extra = cfg.get("kv_connector_extra_config")
     multi = V1_MULTI_CONNECTOR if engine == "v1" else MULTI_CONNECTOR
     parent_role = cfg["kv_role"] if cfg.get("kv_role") in ROLES else None
@@ -478,7 +555,7 @@ def _check_multi(cfg: dict, prefix: str, registered: tuple[str, ...], engine: st
                                          f"list the child connectors: {example}")]
     # A role problem on the parent is reported there; children then get no role check.
     for i, child in enumerate(children):
-        problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both", engine)
+        problems += _check_config(child, json_path(path, i), registered, parent_role or "kv_both", engine, device)
     problems += _check_transfer_children(cfg, path, engine)
     return problems
 

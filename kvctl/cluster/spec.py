@@ -20,8 +20,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from connectors.config.topology import transfer_store
-from connectors.config.validate import ConfigError, registered_v0_connectors, validate_kv_transfer_config
+from connectors.config.topology import LMCACHE_V1_CONNECTOR, named_connectors, transfer_store
+from connectors.config.validate import (LMCACHE_V1_ON_CPU, LMCACHE_V1_ON_CPU_FIX, ConfigError,
+                                        registered_v0_connectors, validate_kv_transfer_config)
 from kvctl.cluster import nixl
 from kvctl.cluster.state import DEFAULT_NAME, check_api_key, check_store_keys, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
@@ -465,6 +466,12 @@ def launch_warnings(spec: ClusterSpec) -> list[str]:
         warnings.append("a V1 prefill in front of a V0 decode: V1 entries carry no hidden state, which V0 "
                         "needs, so D recomputes every prompt (the migration path is a V0 prefill in front "
                         "of a V1 decode)")
+    on_cpu = spec.docker is None or not spec.docker.gpus  # the rigs and the CPU image have no GPU
+    for role in ("prefill", "decode"):
+        rs = spec.role(role)
+        if on_cpu and rs.engine == "v1" and named_connectors(rs.kv_transfer_config, LMCACHE_V1_CONNECTOR):
+            warnings.append(f"the {role} config names {LMCACHE_V1_CONNECTOR}: {LMCACHE_V1_ON_CPU} "
+                            f"(fix: {LMCACHE_V1_ON_CPU_FIX})")
     return warnings
 
 

@@ -346,14 +346,16 @@ def check_scenario(obj: object) -> list[ConfigProblem]:
     except ValidationError as e:
         scenario = None
         problems += pydantic_problems(e, "$", _known_keys, _FIXES)
-    # Each role's connector config is checked even when the schema failed elsewhere.
+    # Each role's connector config is checked even when the schema failed elsewhere. A scenario
+    # that gives GPUs runs on them; every other one on CPU (the rigs and the CPU image are CPU-only).
+    device = "gpu" if raw.get("gpus") else "cpu"
     for role in ("prefill", "decode"):
         spec = raw.get(role)
         cfg = spec.get("kv_transfer_config") if isinstance(spec, dict) else None
         engine = spec.get("engine") if isinstance(spec, dict) else None
         engine = engine if engine in ("v0", "v1") else raw.get("engine")
         if isinstance(cfg, dict):
-            for p in check_kv_transfer_config(cfg, engine=engine if engine in ("v0", "v1") else "v0"):
+            for p in check_kv_transfer_config(cfg, engine=engine if engine in ("v0", "v1") else "v0", device=device):
                 p.path = "$." + role + ".kv_transfer_config" + p.path[1:]
                 problems.append(p)
     missing = [] if raw.get("cluster") is not None else [r for r in ("prefill", "decode") if raw.get(r) is None]
