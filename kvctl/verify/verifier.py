@@ -312,12 +312,12 @@ class ClusterVerifier:
         stage("decode")
         dec = self.decode.chat(messages, max_tokens=max_tokens, headers=_id_header(request_id),
                                extra={KV_TRANSFER_PARAMS: params} if isinstance(params, dict) else None)
+        stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
+        base = self.run_baseline(prompt, max_tokens)
         sent, handed, pulled = self.nixl_checks(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
         if not isinstance(params, dict) or not params:
             handed = CheckResult("store_entry_written", False, "P answered without kv_transfer_params, so D had "
                                                                f"nothing to pull from: {str(pre.raw)[:300]}")
-        stage("baseline")
-        base = self.run_baseline(prompt, max_tokens)
         report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled)
         report.request_id, report.instances_from = request_id, FROM_DIRECT
         report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
@@ -374,9 +374,9 @@ class ClusterVerifier:
                                                DECODE_HEADER)
         if self.handshake:
             rid = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
-            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off)
-            stage("baseline")
+            stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
             base = self.run_baseline(prompt, max_tokens)
+            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off)
             report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled)
             report.request_id = rid
             report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
