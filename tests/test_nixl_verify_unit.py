@@ -23,6 +23,9 @@ D_LOG = "\n".join([
     f"num_external_tokens=172, kv_transfer_params={PARAMS}",
     "(EngineCore pid=2) DEBUG 12-02 00:19:53 [scheduler.py:3223] Finished recving KV transfer for request "
     "chatcmpl-abc-0-99",
+    # once pulled, vLLM logs the request again with the remote prefill cleared
+    "(EngineCore pid=2) DEBUG 12-02 00:19:53 [pull_scheduler.py:112] NIXLConnector update_state_after_alloc: "
+    "num_external_tokens=0, kv_transfer_params=" + PARAMS.replace("'do_remote_prefill': True", "'do_remote_prefill': False"),
 ])
 
 

@@ -159,8 +159,11 @@ def evidence(request_id: str, p_text: str, d_text: str) -> RequestEvidence:
         return next((x for x in lines if names(x.request, request_id)), None)
 
     def mine(lines: list[ParamsLine]) -> ParamsLine | None:
+        # vLLM logs the request again once the pull is done, with do_remote_prefill cleared and 0
+        # tokens: the line that decided the pull is the one still asking for a remote prefill.
         found = [x for x in lines if names(x.remote_request, request_id)]
-        return found[-1] if found else None
+        asking = [x for x in found if x.params.get("do_remote_prefill")]
+        return (asking or found or [None])[-1]
 
     return RequestEvidence(request_id, first(p.sent), first(p.expired), first(p.after_expiry),
                            mine(d.allocated), mine(d.matched), first(d.received), first(d.failures))
