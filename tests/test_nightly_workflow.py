@@ -18,13 +18,13 @@ import typer.main
 import yaml
 from typer.testing import CliRunner
 
+from connectors.config.names import ENGINES
 from kvctl.cli import app
 from kvctl.scenario.schema import list_scenarios, load_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOW = ROOT / ".github" / "workflows" / "nightly-gpu.yml"
 CLI = typer.main.get_command(app)  # the click command tree typer builds (public attributes only)
-ENGINES = ("v0", "v1")
 
 
 class BadLine(Exception):

@@ -15,8 +15,8 @@ import yaml
 from seed_configs import SEED_D, SEED_P
 
 from kvctl.errors import BadInput
+from kvctl.verify.checks import CHECKS
 from kvctl.scenario.schema import (
-    CHECK_NAMES,
     FIELD_PATHS,
     Scenario,
     check_scenario,
@@ -102,7 +102,7 @@ def test_gpu_fs_scenario():
     assert s.runtime == "docker" and s.gpus == ["0", "1"]
     assert s.prefill.kv_transfer_config["kv_connector"] == "FSConnector"
     assert s.expected_sent_to() == []
-    assert set(s.expectations.checks) == set(CHECK_NAMES)
+    assert set(s.expectations.checks) == set(CHECKS)
 
 
 def _mutate(path: str, value, base: str = "smoke-1p1d") -> dict:

@@ -19,7 +19,8 @@ import yaml
 from conftest import live_processes_under
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.scenario.schema import CHECK_NAMES, Scenario, scenarios_dir
+from kvctl.scenario.schema import Scenario, scenarios_dir
+from kvctl.verify.checks import CHECKS
 from kvctl.scenario import runner
 from kvctl.scenario.runner import (
     PHASES,
@@ -180,14 +181,14 @@ def test_a_pool_member_that_never_served_fails_the_verify_phase(monkeypatch, tmp
 
     def req(p, d):
         return RequestReport(prompt="x", prompt_tokens=3, key="k",
-                             checks=[CheckResult(n, True, "ok") for n in CHECK_NAMES],
+                             checks=[CheckResult(n, True, "ok") for n in CHECKS],
                              prefill_instance=p, decode_instance=d, instances_from="headers")
 
     verify = VerifyReport("pd", [req("prefill-0", "decode-0"), req("prefill-1", "decode-0")], 8,
                           pools={"prefill": ["prefill-0", "prefill-1"], "decode": ["decode-0", "decode-1"]})
     monkeypatch.setattr(runner, "_verify", lambda state, plan, progress: verify)
     report = ScenarioReport(scenario="pd", source=None, cluster="pd", runtime="local", runtime_reason="",
-                            expected_checks=list(CHECK_NAMES))
+                            expected_checks=list(CHECKS))
     plan = SimpleNamespace(scenario=SimpleNamespace(expectations=SimpleNamespace(require="all"), eval=None))
     progress = runner.ScenarioProgress()
     runner._verify_and_inspect(SimpleNamespace(store=str(tmp_path)), plan, report, runner._Phases(report, progress),
@@ -201,7 +202,7 @@ def test_a_pool_member_that_never_served_fails_the_verify_phase(monkeypatch, tmp
 
 def test_report_exit_codes_and_junit_for_a_failed_launch():
     report = ScenarioReport(scenario="s", source=None, cluster="s", runtime="local", runtime_reason="",
-                            expected_checks=list(CHECK_NAMES))
+                            expected_checks=list(CHECKS))
     report.phases["launch"] = PhaseResult("launch", "failed", 12.0, "the prefill server exited with code 2")
     report.phases["down"] = PhaseResult("down", "passed", 0.1)
     report.error = RuntimeFailure("the prefill server exited with code 2", details="log tail\x1b[0m")
@@ -222,7 +223,7 @@ def test_report_exit_codes_and_junit_for_a_failed_launch():
                                              ({"prefill": "v0", "decode": "v1"}, "mixed"), (None, None)])
 def test_report_json_names_the_engine(engines, engine):
     report = ScenarioReport(scenario="s", source=None, cluster="s", runtime="local", runtime_reason="",
-                            expected_checks=list(CHECK_NAMES), engines=engines)
+                            expected_checks=list(CHECKS), engines=engines)
     doc = report.to_json()
     assert doc["engine"] == engine and doc["engines"] == engines
 
@@ -250,14 +251,14 @@ def test_smoke_passes_and_leaves_nothing(kvctl, kvctl_home, rig_python, vllm_slo
     assert phase_status(report) == {p: "passed" for p in PHASES}
     assert all(p["seconds"] is not None for p in report["phases"])
     checks = checks_of(report)
-    assert len(checks) == 4 * len(CHECK_NAMES) and all(ok for _, _, ok in checks), checks
+    assert len(checks) == 4 * len(CHECKS) and all(ok for _, _, ok in checks), checks
     assert report["verify"]["passed"] is True
     store = report["store"]
     assert store["num_entries"] == 4 and store["num_valid"] == 4 and store["temp_files"] == []
     assert {e["key"] for e in store["entries"]} == {r["key"] for r in report["verify"]["requests"]}
     assert report["wall_s"] >= sum(p["seconds"] for p in report["phases"]) - 0.5
     tree = ET.parse(junit).getroot()
-    assert tree.get("tests") == str(4 * len(CHECK_NAMES) + len(PHASES)) and tree.get("failures") == "0"
+    assert tree.get("tests") == str(4 * len(CHECKS) + len(PHASES)) and tree.get("failures") == "0"
     assert "✓ launch passed" in r.stderr and "✓ down passed" in r.stderr
     assert_torn_down(kvctl_home)
     assert not Path(store["root"]).exists()  # the fresh store went with the cluster

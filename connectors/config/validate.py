@@ -54,6 +54,7 @@ from typing import Callable, Iterable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.config import topology
+from connectors.config.names import ENGINES
 from connectors.config.topology import (FS_CONNECTOR, LMCACHE_MP_CONNECTOR, LMCACHE_V1_CONNECTOR, MULTI_CONNECTOR,
                                         ROLE_BLIND_V1, ROLES, V1_MULTI_CONNECTOR)
 
@@ -101,7 +102,6 @@ V1_ONLY_CONNECTORS = tuple(dict.fromkeys(
     KNOWN_V1_CONNECTORS + tuple(n for n in VLLM_V1_CONNECTORS if n not in KNOWN_V0_CONNECTORS)))
 # Names only V0 can build (MooncakeConnector and MooncakeStoreConnector exist in both).
 V0_ONLY_CONNECTORS = ("PyNcclConnector", "LMCacheConnector", MULTI_CONNECTOR)
-ENGINES = ("v0", "v1")
 
 # vLLM 0.9.2 KVTransferConfig fields -> the JSON types each accepts.
 KV_TRANSFER_FIELDS: dict[str, tuple[type, ...]] = {

@@ -32,9 +32,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.config.validate import ConfigProblem, check_kv_transfer_config, pydantic_problems
+from connectors.config.names import ROLES
 from kvctl.errors import BadInput
 
-ROLES = ("prefill", "decode")
 INSTANCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 
 _FIXES = {

@@ -61,7 +61,8 @@ import httpx
 
 from connectors.config.topology import handshake_connector, transfer_connector, transfer_store
 from kvctl.bench.common import Progress, machine_info, quiet
-from kvctl.cluster.lifecycle import LaunchProgress, signals_interrupt, wait_instances_healthy
+from kvctl.cluster.lifecycle import LaunchProgress, wait_instances_healthy
+from kvctl.signals import signals_interrupt
 from kvctl.cluster.spec import model_dtype, spread_cpu_binds
 from kvctl.cluster.state import ClusterState, cluster_api_key, cluster_dir, load_cluster
 from kvctl.errors import BadInput, RuntimeFailure

@@ -29,8 +29,6 @@ import contextlib
 import fcntl
 import logging
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +66,7 @@ from kvctl.runtime.base import (
     read_log_tail,
 )
 from kvctl.cluster.router_process import router_instance, start_router
+from kvctl.signals import run_to_completion, signals_interrupt
 from kvctl.subprocesses import TAIL_LINES
 
 log = logging.getLogger(__name__)
@@ -93,65 +92,6 @@ class LaunchProgress:
 
 
 ProgressFn = Callable[[LaunchProgress], None]
-
-
-# --- signals: Ctrl-C, SIGTERM and SIGHUP all mean "stop and clean up" ---
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM/SIGHUP during a launch; handled exactly like Ctrl-C."""
-
-
-def _raise_terminated(signum: int, frame: Any) -> None:
-    raise Terminated(signal.Signals(signum).name)
-
-
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def signals_interrupt() -> Iterator[None]:
-    """Turn SIGINT, SIGTERM and SIGHUP into exceptions, so cleanup runs.
-
-    SIGINT gets Python's own handler even when it was inherited as ignored
-    (a background job of a non-interactive shell): a Ctrl-C or `kill -INT`
-    sent to a launch must still stop the servers.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread can set handlers; the caller owns signals then
-        return
-    previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
-    previous.update({s: signal.signal(s, _raise_terminated) for s in (signal.SIGTERM, signal.SIGHUP)})
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-@contextlib.contextmanager
-def _signals_ignored() -> Iterator[None]:
-    """Cleanup must finish: a second Ctrl-C must not leave servers running."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-def _run_to_completion(cleanup: Callable[[], None]) -> None:
-    """Run `cleanup` with signals ignored; a signal that slips in before the
-    handlers are swapped restarts it (cleanup is idempotent)."""
-    while True:
-        try:
-            with _signals_ignored():
-                cleanup()
-            return
-        except KeyboardInterrupt:
-            continue
 
 
 # --- launch ---
@@ -383,7 +323,7 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
                 save_cluster(state)
             return state
         except BaseException:
-            _run_to_completion(cleanup)
+            run_to_completion(cleanup)
             raise
 
 
@@ -590,4 +530,4 @@ def running_cluster(spec: ClusterSpec, progress: ProgressFn | None = None,
     try:
         yield state
     finally:
-        _run_to_completion(lambda: down(spec.name, keep_store=keep_store))
+        run_to_completion(lambda: down(spec.name, keep_store=keep_store))

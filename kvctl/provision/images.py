@@ -69,7 +69,8 @@ BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libg
 # library only), copied to build/ for docker/rig-install.py. Paths in the kvctl package.
 RECIPE_FILES = ("kvctl/__init__.py", "kvctl/errors.py", "kvctl/paths.py", "kvctl/subprocesses.py",
                 "kvctl/provision/__init__.py", "kvctl/provision/rig.py", "kvctl/provision/elf_patch.py",
-                "connectors/__init__.py", "connectors/store/__init__.py", "connectors/store/atomic.py")
+                "connectors/__init__.py", "connectors/store/__init__.py", "connectors/store/atomic.py",
+                "connectors/config/__init__.py", "connectors/config/names.py")
 KVCTL_DIR = Path(__file__).resolve().parent.parent  # the installed kvctl package
 DOCKERFILES = Path(__file__).resolve().parent / "dockerfiles"  # docker/ in a checkout
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")

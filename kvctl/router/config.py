@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 
 from kvctl.errors import BadInput
 
-ROLES = ("prefill", "decode")
 POLICIES = ("round_robin", "least_outstanding")
 
 DEFAULT_HOST = "127.0.0.1"  # loopback unless told otherwise

@@ -33,9 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-ROLES = ("prefill", "decode")
-ENGINES = ("v0", "v1")  # the vLLM generations a server can run (kvctl.provision.rig has a rig for each)
-DEFAULT_ENGINE = "v0"
+from connectors.config.names import DEFAULT_ENGINE, ENGINES, ROLES  # noqa: F401 - re-exported
 
 # Start-up flags every V0 server gets (BRIEF section 4: the CPU V0 rig needs block
 # size 16, eager mode and no prefix caching / chunked prefill, which break

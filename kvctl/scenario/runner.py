@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.attach.attach import AttachSpec, attach_cluster, detach_cluster, spec_from_file
-from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster, signals_interrupt
+from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster
+from kvctl.signals import signals_interrupt
 from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec, build_pd_spec
 from kvctl.cluster.state import ATTACHED_RUNTIME, ClusterState, cluster_dir
 from kvctl.errors import BadInput, ExitCode, KvctlError

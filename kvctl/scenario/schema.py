@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from connectors.config.names import DEFAULT_ENGINE, ENGINES, ROLES
 from connectors.config.topology import (
     FS_CONNECTOR,
     MULTI_CONNECTOR,
@@ -47,9 +48,11 @@ from kvctl.cluster.spec import MAX_POOL, default_kv_config, instance_names
 from kvctl.errors import BadInput
 from kvctl.runtime import DEFAULT_RUNTIME, RUNTIME_CHOICES, requested_runtime_class
 from kvctl.runtime.docker_options import gpu_lists, parse_gpus
+from kvctl.verify.checks import CHECKS
 from kvctl.verify.evals import DEFAULT_TOLERANCE, EVAL_SETS
 
-CHECK_NAMES = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
+Role = Literal[ROLES]
+
 # Replaced in kv_transfer_config strings at launch, as the server sees them:
 # the shared store dir, and a dir private to the instance (e.g. an offload cache).
 STORE_PLACEHOLDER = "${store}"
@@ -140,7 +143,7 @@ class RoleSpec(_Strict):
     args: list[str] = Field(default_factory=list)  # extra vLLM server arguments
     env: dict[str, str] = Field(default_factory=dict)
     docker_host: str | None = None  # DOCKER_HOST-style URL; None = the local engine
-    engine: Literal["v0", "v1"] | None = None  # vLLM engine of this instance; None = the scenario's
+    engine: Literal[ENGINES] | None = None  # vLLM engine of this instance; None = the scenario's
 
     @field_validator("env", mode="before")
     @classmethod
@@ -155,8 +158,7 @@ class RoleSpec(_Strict):
 
 
 class Expectations(_Strict):
-    checks: list[Literal["kv_send_logged", "store_entry_written", "decode_skipped_forward",
-                         "output_matches_baseline"]] = Field(default_factory=lambda: list(CHECK_NAMES))
+    checks: list[Literal[CHECKS]] = Field(default_factory=lambda: list(CHECKS))
     # `sent to connector <Name>` lines P must log per request; None = derived from P's config.
     sent_to_connectors: list[str] | None = None
     # all: a check whose evidence is not observable (attached: no log source, store not
@@ -185,7 +187,7 @@ class Scenario(_Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9._-]*$")
     description: str = ""
     runtime: str = DEFAULT_RUNTIME  # one of kvctl.runtime.RUNTIME_CHOICES (checked by _known_runtime)
-    engine: Literal["v0", "v1"] = "v0"  # vLLM engine of P and D (a role's `engine` overrides it)
+    engine: Literal[ENGINES] = DEFAULT_ENGINE  # vLLM engine of P and D (a role's `engine` overrides it)
     model: str = Field(default="tiny", min_length=1)  # "tiny", a catalog name, a path, or a hub id
     served_model_name: str | None = None
     via: Literal["endpoint", "direct"] = "endpoint"  # verify through the endpoint (when there is one), or P then D
@@ -245,17 +247,17 @@ class Scenario(_Strict):
     def attaches(self) -> bool:
         return self.cluster is not None
 
-    def role_spec(self, role: Literal["prefill", "decode"]) -> RoleSpec | None:
+    def role_spec(self, role: Role) -> RoleSpec | None:
         return self.prefill if role == "prefill" else self.decode
 
-    def role(self, role: Literal["prefill", "decode"]) -> RoleSpec:
+    def role(self, role: Role) -> RoleSpec:
         """The role's spec; raises ValueError for an attaching scenario (it has none)."""
         spec = self.prefill if role == "prefill" else self.decode
         if spec is None:
             raise ValueError(f"scenario {self.name} attaches to a cluster: it has no {role} spec")
         return spec
 
-    def resolved_config(self, role: Literal["prefill", "decode"], store_dir: str,
+    def resolved_config(self, role: Role, store_dir: str,
                         instance_dir: str) -> dict[str, Any]:
         """The role's kv-transfer-config with `${store}` and `${instance_dir}` replaced."""
         values = {STORE_PLACEHOLDER: store_dir, INSTANCE_DIR_PLACEHOLDER: instance_dir}
@@ -305,7 +307,7 @@ _FIXES = {
     "decode.engine": ENGINE_FIX,
     "prompts": 'list strings, or {repeat: "text", times: N} for a long prompt',
     "max_tokens": "use a whole number >= 1",
-    "expectations": f"checks may list: {', '.join(CHECK_NAMES)}; sent_to_connectors: connector names",
+    "expectations": f"checks may list: {', '.join(CHECKS)}; sent_to_connectors: connector names",
     "timeout": "use a positive number of seconds",
     "store": "use a directory path, or null for a fresh directory per run",
     "cluster": "cluster: {attach: FILE} verifies the running cluster an attach file describes",

@@ -19,13 +19,13 @@ import logging
 import os
 import signal
 import subprocess
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+from kvctl.signals import signals_interrupt
 from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -213,24 +213,6 @@ def _settle(captures: list[LogCapture]) -> None:
 
 
 @contextlib.contextmanager
-def _termination_interrupts() -> Iterator[None]:
-    """SIGTERM and SIGHUP unwind like Ctrl-C while captures run, so they are stopped."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
-@contextlib.contextmanager
 def capturing_logs(info: ClusterInfo, every: bool = False) -> Iterator[ClusterInfo]:
     """Run the log commands of `info`'s prefill and decode (`every`: of all its instances,
     for requests through the endpoint) while the block runs.
@@ -248,7 +230,7 @@ def capturing_logs(info: ClusterInfo, every: bool = False) -> Iterator[ClusterIn
         return
     captures: dict[str, LogCapture] = {}
     failed: dict[str, str] = {}
-    with _termination_interrupts():
+    with signals_interrupt():  # SIGTERM/SIGHUP unwind like Ctrl-C: the captures are stopped
         try:
             for label, inst in chosen.items():
                 capture = LogCapture(label, inst.log_command or "", inst.log_path or Path())

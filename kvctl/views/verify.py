@@ -19,8 +19,7 @@ from kvctl.verify.verifier import Progress as RequestProgress
 from kvctl.views.output import Output
 
 # Short column headers keep the table within 80 columns; the caption spells them out.
-_SHORT = {"kv_send_logged": "send", "store_entry_written": "store", "decode_skipped_forward": "skip",
-          "output_matches_baseline": "match"}
+_SHORT = dict(zip(CHECKS, ("send", "store", "skip", "match"), strict=True))
 
 
 @contextlib.contextmanager
