@@ -53,7 +53,7 @@ from kvctl.runtime import runtime_class, select_runtime
 from kvctl.runtime.docker_options import docker_options
 from kvctl.scenario.schema import Scenario, scenario_path
 from kvctl.store.inspect import StoreReport, inspect_store
-from kvctl.verify.junit import verify_junit, write_junit
+from kvctl.verify.junit import add_case, finish, new_tree, verify_junit, write_junit
 from kvctl.verify.prompts import check_prompts
 from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
 from kvctl.verify.evals import EvalReport, load_eval, score_report
@@ -495,37 +495,22 @@ def scenario_junit(report: ScenarioReport) -> ET.ElementTree:
     suite_name = f"kvctl scenario {report.scenario}"
     if report.verify is not None:
         tree = verify_junit(report.verify, suite_name=suite_name)
-        root = tree.getroot()
-        suite = root.find("testsuite")
+        suite = tree.getroot().find("testsuite")
     else:
-        root = ET.Element("testsuites", tests="0", failures="0", errors="0")
-        suite = ET.SubElement(root, "testsuite", name=suite_name, tests="0", failures="0", errors="0",
-                              skipped="0")
-        tree = ET.ElementTree(root)
+        tree, suite = new_tree(suite_name)
     assert suite is not None
     for phase in report.phases.values():
-        case = ET.SubElement(suite, "testcase", classname=f"kvctl.scenario.{report.scenario}",
-                             name=f"phase {phase.name}", time=f"{phase.seconds or 0:.3f}")
+        failure = skipped = None
         if phase.status in ("failed", "interrupted"):
             text = phase.detail
             if phase.name in ("launch", "verify") and report.error is not None:
                 text = report.error.message + (f"\n{report.error.details}" if report.error.details else "")
-            ET.SubElement(case, "failure", type=phase.status,
-                          message=_printable(phase.detail)[:300]).text = _printable(text)
+            failure = (phase.status, phase.detail, text)
         elif phase.status == "skipped":
-            ET.SubElement(case, "skipped", message="not reached")
-    for element in (root, suite):
-        cases = suite.findall("testcase")
-        element.set("tests", str(len(cases)))
-        element.set("failures", str(sum(1 for c in cases if c.find("failure") is not None)))
-    suite.set("skipped", str(sum(1 for c in suite.findall("testcase") if c.find("skipped") is not None)))
-    ET.indent(root)
-    return tree
-
-
-def _printable(text: str) -> str:
-    """Drop what XML 1.0 cannot hold (server log tails may contain control characters)."""
-    return "".join(ch for ch in text if ch.isprintable() or ch in "\n\t")
+            skipped = "not reached"
+        add_case(suite, f"kvctl.scenario.{report.scenario}", f"phase {phase.name}",
+                 time=f"{phase.seconds or 0:.3f}", failure=failure, skipped=skipped)
+    return finish(tree)
 
 
 def write_scenario_junit(report: ScenarioReport, path: Path | str) -> Path:
