@@ -231,3 +231,9 @@ def test_no_module_outside_the_runtimes_compares_a_runtime_name():
 ])
 def test_runtime_name_detector_sees_a_planted_comparison(snippet, names):
     assert [n for _, n in _runtime_name_uses(ast.parse(snippet))] == names
+
+
+def test_v1_never_imports_v0():
+    # V0 is gone upstream: what V1 shares with it lives in connectors.layout and served_model.
+    assert {(m, t) for m, ts in GRAPH.items() if m.startswith("connectors.v1")
+            for t in ts if t.startswith("connectors.v0")} == set()

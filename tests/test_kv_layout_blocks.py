@@ -11,13 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from connectors.layout.base import CacheGeometry, GatherBuffers
+from connectors.layout.blocks import SlotPlan
 from connectors.v0 import kv_layout
-from connectors.v0.kv_layout import (
-    CacheGeometry,
-    GatherBuffers,
-    SlotPlan,
-    select_layout,
-)
+from connectors.v0.kv_layout import select_layout
 
 BS, HEADS, HEAD = 16, 2, 32
 BACKEND = {"paged_attention": "TORCH_SDPA", "flash_attn": "FLASH_ATTN", "flashinfer": "FLASHINFER",

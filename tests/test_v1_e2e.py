@@ -449,7 +449,7 @@ from pathlib import Path
 import torch
 
 from connectors.store import format as fmt, fs_store
-from connectors.v0.kv_layout import CacheGeometry
+from connectors.layout.base import CacheGeometry
 from connectors.v1 import transfer
 from connectors.v1.fs_connector import FSConnector, FSConnectorMetadata
 from connectors.v1.kv_layout import PagedCPULayout

@@ -8,7 +8,8 @@ torch = pytest.importorskip("torch")
 
 from connectors.store import format as fmt  # noqa: E402
 from connectors.store import fs_store  # noqa: E402
-from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, LayerWriter, UnsupportedLayout  # noqa: E402
+from connectors.layout.base import CacheGeometry, LayerWriter, UnsupportedLayout  # noqa: E402
+from connectors.layout.blocks import FlashAttentionLayout  # noqa: E402
 from connectors.v1.kv_layout import (  # noqa: E402
     PagedCPULayout,
     SplitChannelLayout,

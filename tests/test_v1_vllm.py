@@ -17,7 +17,7 @@ if hasattr(factory.KVConnectorFactory, "create_connector_v0"):
     pytest.skip("vLLM with the V0 connector API: V1 tests need a V1-only vLLM", allow_module_level=True)
 
 from connectors import plugin  # noqa: E402
-from connectors.v0.kv_layout import CacheGeometry  # noqa: E402
+from connectors.layout.base import CacheGeometry  # noqa: E402
 from connectors.v1.kv_layout import PagedCPULayout, probe_page_positions  # noqa: E402
 
 KVConnectorFactory = factory.KVConnectorFactory

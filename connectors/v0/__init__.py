@@ -12,8 +12,8 @@
     cpu_worker.py       the CPU worker with the GPU runner's recv -> forward -> send hooks
                         (``--worker-cls connectors.v0.cpu_worker.KVTransferCPUWorker``)
 
-May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.logs`, `connectors.log_lines`,
-`connectors.served_model`, `connectors.registry`.
+May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.layout`,
+`connectors.logs`, `connectors.log_lines`, `connectors.served_model`, `connectors.registry`.
 Loaded only inside vLLM processes (through `connectors.plugin`); `kvctl.bench`
 imports `kv_layout` inside the rig.
 """

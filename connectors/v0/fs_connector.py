@@ -50,8 +50,8 @@ from connectors.config.validate import (open_store_dir, open_store_keys, ConfigE
                                        parse_fs_settings)
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.v0.attn_backend import kv_cache_backend_name
-from connectors.v0.kv_layout import (CacheGeometry, GatherBuffers, KVLayout, LayerWriter, SharedGathers,
-                                     UnsupportedLayout, layout_for_backend, select_layout)
+from connectors.layout.base import CacheGeometry, GatherBuffers, KVLayout, LayerWriter, UnsupportedLayout
+from connectors.v0.kv_layout import SharedGathers, layout_for_backend, select_layout
 from connectors.served_model import served_model_identity, unkeyable_input_problems
 from connectors import log_lines
 from connectors.logs import SendFailureLog, get_logger

@@ -29,274 +29,23 @@ transpose; the value's is of single elements, which no torch or numpy copy
 does near memcpy speed (see `_move_blocks`): that layout needs a kernel of
 its own to get there.
 
-Imports torch and numpy only (no vLLM): `kvctl.bench.layout` runs these adapters too.
+What V0 and V1 share (the KVLayout contract, LayerWriter, GatherBuffers, the
+blockwise moves and the flash layout) is connectors.layout. Imports torch and
+numpy only (no vLLM): `kvctl.bench.layout` runs these adapters too.
 """
 
 from __future__ import annotations
 
-import math
-import time
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-
-class UnsupportedLayout(ValueError):
-    pass
-
-
-@dataclass(frozen=True)
-class CacheGeometry:
-    block_size: int
-    kv_heads: int
-    head_size: int
+# The adapters' contract (connectors.layout), re-exported for V0's callers.
+from connectors.layout.base import (  # noqa: F401
+    CacheGeometry, GatherBuffers, KVLayout, LayerWriter, UnsupportedLayout, as_bits)
+from connectors.layout.blocks import BlockwiseLayout, FlashAttentionLayout, index_out, move_unit, row_pair
 
 
-class KVLayout:
-    """Translate between one layer's paged cache and token-major KV."""
-
-    name = "abstract"
-    kv_parts = 2
-    blocks_dim = 1  # where num_blocks sits in the cache shape
-
-    def __init__(self, geometry: CacheGeometry):
-        self.g = geometry
-
-    @classmethod
-    def cache_shape(cls, num_blocks: int | str, g: CacheGeometry) -> tuple[int | str, ...]:
-        """The cache shape this layout's backends allocate (their ``get_kv_cache_shape``).
-
-        A string `num_blocks` names the dimension in error messages.
-        """
-        raise NotImplementedError
-
-    @classmethod
-    def fits(cls, cache: torch.Tensor, g: CacheGeometry) -> bool:
-        s = tuple(cache.shape)
-        return len(s) > cls.blocks_dim and s == cls.cache_shape(s[cls.blocks_dim], g)
-
-    def gather(self, cache: torch.Tensor, slots: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        """KV of `slots` as [kv_parts, tokens, heads, head_size].
-
-        Written into `out` (contiguous, that shape, the cache's dtype and
-        device) when given, so a caller gathering every layer fills one
-        tensor instead of stacking per-layer copies. Returns `out` or a new tensor.
-        """
-        raise NotImplementedError
-
-    def scatter(self, cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write [kv_parts, tokens, heads, head_size] `kv` into `slots` of `cache`."""
-        raise NotImplementedError
-
-    def plan(self, slots: torch.Tensor):
-        """What `scatter_plan` takes for `slots` (worked out once for every layer)."""
-        return slots
-
-    def scatter_plan(self, cache: torch.Tensor, plan, kv: torch.Tensor) -> None:
-        """`scatter` with a `plan(slots)`; `kv` may be on another device or of another dtype."""
-        self.scatter(cache, plan, kv.to(cache.device, cache.dtype))
-
-    def layers_shape(self, num_layers: int, tokens: int) -> tuple[int, ...]:
-        return (num_layers, self.kv_parts, tokens, self.g.kv_heads, self.g.head_size)
-
-    def gather_layers(self, caches: list[torch.Tensor], slots: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-        """Every layer's KV of `slots` as one [layers, kv_parts, tokens, heads, head_size]
-        tensor (`out` when given, else a new one), each layer gathered straight into its slice."""
-        if out is None:
-            out = caches[0].new_empty(self.layers_shape(len(caches), slots.shape[0]))
-        for layer, cache in enumerate(caches):
-            self.gather(cache, slots, out=out[layer])
-        return out
-
-    def scatter_layers(self, caches: list[torch.Tensor], slots: torch.Tensor, kv: torch.Tensor) -> None:
-        """Write [layers, kv_parts, tokens, heads, head_size] `kv` into `slots` of every layer."""
-        for cache, layer_kv in zip(caches, kv):
-            self.scatter(cache, slots, layer_kv.to(cache.dtype))
-
-    def _new_out(self, cache: torch.Tensor, tokens: int) -> torch.Tensor:
-        return cache.new_empty((self.kv_parts, tokens, self.g.kv_heads, self.g.head_size))
-
-
-class LayerWriter:
-    """`FSStore.load_into`'s ``write_layer``: each layer's token-major KV into its paged cache.
-
-    Token positions `positions` of a layer's ``[kv_parts, tokens, heads,
-    head_size]`` KV go to `slots` of ``caches[layer]``, through the layout's
-    plan of the slots, worked out once for every layer. `seconds` adds up
-    the time spent scattering.
-    """
-
-    def __init__(self, layout: KVLayout, caches: list[torch.Tensor], slots: torch.Tensor,
-                 positions: slice = slice(None)):
-        self.layout, self.caches, self.positions = layout, caches, positions
-        self.plan = layout.plan(slots)
-        self.seconds = 0.0
-
-    def __call__(self, layer: int, kv: torch.Tensor) -> None:
-        begin = time.perf_counter()
-        self.layout.scatter_plan(self.caches[layer], self.plan, kv[:, self.positions])
-        self.seconds += time.perf_counter() - begin
-
-
-# --- reusable gather outputs: a fresh one faults in 4 KiB at a time ---
-
-GATHER_BUFFER_BYTES = 512 << 20  # at most this much host memory kept for reuse
-
-
-class GatherBuffers:
-    """Reusable host tensors for gather_layers' output, one per request of a step.
-
-    A new multi-MB CPU tensor is a fresh mapping that faults in one 4 KiB
-    page at a time on its first write: that made a 128 MB gather about 5x
-    slower than copying the same bytes into a tensor written before
-    (measured here, 145 vs 28 ms). `take` hands out the i-th buffer of the
-    step (kept from earlier steps when big enough); `start_step` makes them
-    all free again, so a caller must be done with a step's tensors (saved)
-    before the next step starts. At most `max_bytes` are kept, in all;
-    anything beyond (and any non-CPU tensor) is allocated fresh.
-    """
-
-    def __init__(self, max_bytes: int = GATHER_BUFFER_BYTES):
-        self.max_bytes = max_bytes
-        self._kept: list[torch.Tensor] = []  # uint8
-        self._next = 0
-
-    def start_step(self) -> None:
-        self._next = 0
-
-    def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-        nbytes = math.prod(shape) * like.element_size()
-        if like.device.type != "cpu":
-            return like.new_empty(shape)
-        index, self._next = self._next, self._next + 1
-        if index < len(self._kept) and self._kept[index].numel() >= nbytes:
-            buf = self._kept[index]
-        else:
-            buf = torch.empty(nbytes, dtype=torch.uint8)
-            others = sum(t.numel() for i, t in enumerate(self._kept) if i != index)
-            if index <= len(self._kept) and others + nbytes <= self.max_bytes:
-                self._kept[index:index + 1] = [buf]
-        return buf[:nbytes].view(like.dtype).view(shape)
-
-
-# Gather and scatter only move bytes, so they work on views that reinterpret
-# them: integers of the element's size (bit exact, and index kernels exist
-# for them on every device, unlike float8 on CPU), and for whole rows or the
-# paged key's 16-byte groups the widest element the tensors' alignment allows
-# (complex128, else int64), which the element-wise index kernels move in
-# 1/x (1/(x/2)) as many steps. aten's index with `out` writes the gathered
-# rows straight into the caller's tensor.
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_WIDE = ((torch.complex128, 16), (torch.int64, 8))
-_index_out = torch.ops.aten.index.Tensor_out
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(_BITS[t.element_size()])
-
-
-def _move_unit(*tensors: torch.Tensor) -> tuple[torch.dtype, int]:
-    """The widest element every tensor's start is aligned to (a view needs it).
-
-    A loaded entry's KV starts right after its int64 token ids, so with an
-    odd token count it is 8- but not 16-byte aligned.
-    """
-    for dtype, size in _WIDE:
-        if all(t.storage_offset() * t.element_size() % size == 0 for t in tensors):
-            return dtype, size
-    es = tensors[0].element_size()
-    return _BITS[es], es
-
-
-def _row_pair(a: torch.Tensor, a_rows: int, b: torch.Tensor,
-              b_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous `a` and `b` as [a_rows, row] and [b_rows, row] of one element type:
-    the widest (16, 8 bytes) both starts are aligned to and both rows hold whole, else
-    the integers of their element size. Index kernels then move a row in few steps."""
-    es = a.element_size()
-    row_bytes = a.numel() * es // a_rows
-    for dtype, size in _WIDE + ((_BITS[es], es),):
-        if row_bytes % size == 0 and all(t.storage_offset() * es % size == 0 for t in (a, b)):
-            return a.view(a_rows, -1).view(dtype), b.view(b_rows, -1).view(dtype)
-    raise AssertionError("unreachable: the element size always fits")
-
-
-@dataclass(frozen=True)
-class SlotPlan:
-    """A request's slots split into whole blocks and the rest.
-
-    A prompt's slots are ``block_table[pos // block_size] * block_size +
-    pos % block_size``: every block but the last is whole, so the first
-    `full` slots move as `blocks` (one row of block_size tokens each) and
-    only the `tail` moves token by token. Slots that are not whole blocks
-    in order (any other caller's) all go in `tail`.
-    """
-
-    slots: torch.Tensor
-    blocks: torch.Tensor
-    tail: torch.Tensor
-    full: int  # slots covered by `blocks`: len(blocks) * block_size
-
-    @classmethod
-    def of(cls, slots: torch.Tensor, block_size: int) -> "SlotPlan":
-        slots = slots.reshape(-1).to(torch.int64)
-        n = slots.shape[0] // block_size
-        if n:
-            head = slots[: n * block_size].view(n, block_size)
-            first = head[:, 0]
-            step = torch.arange(block_size, device=slots.device, dtype=slots.dtype)
-            if not bool(((first % block_size == 0) & (head == first[:, None] + step).all(1)).all()):
-                n = 0
-        full = n * block_size
-        blocks = slots[:full:block_size] // block_size if n else slots[:0]
-        return cls(slots, blocks, slots[full:], full)
-
-    def split(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tail's (block, offset) pairs."""
-        return self.tail // block_size, self.tail % block_size
-
-
-class _BlockwiseLayout(KVLayout):
-    """A layout that moves whole blocks as rows: one plan per call, shared by every layer."""
-
-    def gather(self, cache, slots, out=None):
-        out = self._new_out(cache, slots.shape[0]) if out is None else out
-        self._gather(cache, SlotPlan.of(slots, self.g.block_size), out)
-        return out
-
-    def scatter(self, cache, slots, kv):
-        self._scatter(cache, SlotPlan.of(slots, self.g.block_size), kv)
-
-    def gather_layers(self, caches, slots, out=None):
-        if out is None:
-            out = caches[0].new_empty(self.layers_shape(len(caches), slots.shape[0]))
-        plan = SlotPlan.of(slots, self.g.block_size)
-        for layer, cache in enumerate(caches):
-            self._gather(cache, plan, out[layer])
-        return out
-
-    def scatter_layers(self, caches, slots, kv):
-        plan = SlotPlan.of(slots, self.g.block_size)
-        for cache, layer_kv in zip(caches, kv):
-            self._scatter(cache, plan, layer_kv.to(cache.dtype))
-
-    def plan(self, slots):
-        return SlotPlan.of(slots, self.g.block_size)
-
-    def scatter_plan(self, cache, plan, kv):
-        self._scatter(cache, plan, kv.to(cache.device, cache.dtype))
-
-    def _gather(self, cache: torch.Tensor, plan: SlotPlan, out: torch.Tensor) -> None:
-        raise NotImplementedError
-
-    def _scatter(self, cache: torch.Tensor, plan: SlotPlan, kv: torch.Tensor) -> None:
-        raise NotImplementedError
-
-
-class PagedAttentionLayout(_BlockwiseLayout):
+class PagedAttentionLayout(BlockwiseLayout):
     """[2, blocks, block_size * heads * head_size]; inside a block, tokens are the
     innermost dimension but one (key) or the innermost (value): moving a token
     is a transpose, at 16 bytes (key) and at one element (value)."""
@@ -317,7 +66,7 @@ class PagedAttentionLayout(_BlockwiseLayout):
 
     def _value_view(self, cache: torch.Tensor) -> torch.Tensor:
         g = self.g
-        return _bits(cache[1]).view(cache.shape[1], g.kv_heads, g.head_size, g.block_size)
+        return as_bits(cache[1]).view(cache.shape[1], g.kv_heads, g.head_size, g.block_size)
 
     def _token_key(self, t: torch.Tensor, unit: torch.dtype, size: int) -> torch.Tensor:
         # token-major [T, heads, head_size] as [T, heads, head_size // x, 16 // size] of `unit`
@@ -326,9 +75,9 @@ class PagedAttentionLayout(_BlockwiseLayout):
 
     def _gather(self, cache, plan, out):
         g = self.g
-        unit, size = _move_unit(cache[0], out[0])
+        unit, size = move_unit(cache[0], out[0])
         key, value = self._key_view(cache, unit, size), self._value_view(cache)
-        out_key, out_value = self._token_key(out[0], unit, size), _bits(out[1])
+        out_key, out_value = self._token_key(out[0], unit, size), as_bits(out[1])
         full, n = plan.full, plan.blocks.shape[0]
         if n:
             _move_blocks(plan.blocks, key, value, out_key[:full].view(n, g.block_size, *out_key.shape[1:]),
@@ -337,15 +86,15 @@ class PagedAttentionLayout(_BlockwiseLayout):
             block, offset = plan.split(g.block_size)
             # Advanced indices on dims 0 and 3 (split by slices) move to the front:
             # key -> [T, heads, head_size // x, 16 // size], value -> [T, heads, head_size].
-            _index_out(key, [block, None, None, offset], out=out_key[full:])
-            _index_out(value, [block, None, None, offset], out=out_value[full:])
+            index_out(key, [block, None, None, offset], out=out_key[full:])
+            index_out(value, [block, None, None, offset], out=out_value[full:])
 
     def _scatter(self, cache, plan, kv):
         g = self.g
         key = kv[0].contiguous()
-        unit, size = _move_unit(cache[0], key)
+        unit, size = move_unit(cache[0], key)
         key_view, value_view = self._key_view(cache, unit, size), self._value_view(cache)
-        tok_key, tok_value = self._token_key(key, unit, size), _bits(kv[1].contiguous())
+        tok_key, tok_value = self._token_key(key, unit, size), as_bits(kv[1].contiguous())
         full, n = plan.full, plan.blocks.shape[0]
         if n:
             _move_blocks(plan.blocks, key_view, value_view,
@@ -378,12 +127,12 @@ def _move_blocks(blocks: torch.Tensor, key: torch.Tensor, value: torch.Tensor, t
     whole layer with no index at all takes 1.4x. Elsewhere: torch.
     """
     if gather:
-        _index_out(key.permute(0, 3, 1, 2, 4), [blocks], out=tok_key)
+        index_out(key.permute(0, 3, 1, 2, 4), [blocks], out=tok_key)
     else:
         key.permute(0, 3, 1, 2, 4).index_put_((blocks,), tok_key)
     if value.device.type != "cpu" or not NUMPY_BLOCK_TRANSPOSE:
         if gather:
-            _index_out(value.permute(0, 3, 1, 2), [blocks], out=tok_value)
+            index_out(value.permute(0, 3, 1, 2), [blocks], out=tok_value)
         else:
             value.permute(0, 3, 1, 2).index_put_((blocks,), tok_value)
         return
@@ -396,41 +145,7 @@ def _move_blocks(blocks: torch.Tensor, key: torch.Tensor, value: torch.Tensor, t
             np.copyto(vc[block], vt[i].transpose(1, 2, 0))
 
 
-class FlashAttentionLayout(_BlockwiseLayout):
-    """[2, blocks, block_size, heads, head_size]: a block of one part is one contiguous row."""
-
-    name = "flash_attn"
-
-    @classmethod
-    def cache_shape(cls, num_blocks, g):
-        return (2, num_blocks, g.block_size, g.kv_heads, g.head_size)
-
-    def _gather(self, cache, plan, out):
-        full, n, tail = plan.full, plan.blocks.shape[0], plan.tail.shape[0]
-        bs = self.g.block_size
-        for part in range(2):
-            src, dst = cache[part], out[part]
-            if n:
-                rows, into = _row_pair(src, src.shape[0], dst[:full], n)
-                torch.index_select(rows, 0, plan.blocks, out=into)
-            if tail:
-                rows, into = _row_pair(src, src.shape[0] * bs, dst[full:], tail)
-                torch.index_select(rows, 0, plan.tail, out=into)
-
-    def _scatter(self, cache, plan, kv):
-        full, n, tail = plan.full, plan.blocks.shape[0], plan.tail.shape[0]
-        bs = self.g.block_size
-        for part in range(2):
-            dst, src = cache[part], kv[part].contiguous()
-            if n:
-                rows, values = _row_pair(dst, dst.shape[0], src[:full], n)
-                rows.index_copy_(0, plan.blocks, values)
-            if tail:
-                rows, values = _row_pair(dst, dst.shape[0] * bs, src[full:], tail)
-                rows.index_copy_(0, plan.tail, values)
-
-
-class FlashInferLayout(_BlockwiseLayout):
+class FlashInferLayout(BlockwiseLayout):
     """[blocks, 2, block_size, heads, head_size]: a block of one part is one contiguous
     row, the two parts of a block side by side."""
 
@@ -446,27 +161,27 @@ class FlashInferLayout(_BlockwiseLayout):
         for part in range(2):
             if n:
                 # cache[:, part] is [blocks, row] with a stride of two rows
-                rows, into = _row_pair(cache, 2 * cache.shape[0],
+                rows, into = row_pair(cache, 2 * cache.shape[0],
                                        out[part, :full], n)
                 torch.index_select(rows.view(cache.shape[0], 2, -1)[:, part], 0, plan.blocks, out=into)
         if plan.tail.shape[0]:
             block, offset = plan.split(self.g.block_size)
             # Advanced indices on dims 0 and 2 -> [T, 2, heads, head_size].
-            _bits(out[:, full:]).copy_(_bits(cache)[block, :, offset].transpose(0, 1))
+            as_bits(out[:, full:]).copy_(as_bits(cache)[block, :, offset].transpose(0, 1))
 
     def _scatter(self, cache, plan, kv):
         full, n = plan.full, plan.blocks.shape[0]
         kv = kv.contiguous()
         for part in range(2):
             if n:
-                rows, values = _row_pair(cache, 2 * cache.shape[0], kv[part, :full], n)
+                rows, values = row_pair(cache, 2 * cache.shape[0], kv[part, :full], n)
                 rows.view(cache.shape[0], 2, -1)[:, part].index_copy_(0, plan.blocks, values)
         if plan.tail.shape[0]:
             block, offset = plan.split(self.g.block_size)
-            _bits(cache)[block, :, offset] = _bits(kv[:, full:]).transpose(0, 1)
+            as_bits(cache)[block, :, offset] = as_bits(kv[:, full:]).transpose(0, 1)
 
 
-class MLALayout(_BlockwiseLayout):
+class MLALayout(BlockwiseLayout):
     """[blocks, block_size, head_size]: one latent per token, a block is one contiguous row."""
 
     name = "mla"
@@ -490,7 +205,7 @@ class MLALayout(_BlockwiseLayout):
                                                 tokens[full:])):
             if not count:
                 continue
-            rows, token_rows = _row_pair(cache, cache_rows, part, count)
+            rows, token_rows = row_pair(cache, cache_rows, part, count)
             if gather:
                 torch.index_select(rows, 0, index, out=token_rows)
             else:

@@ -14,7 +14,7 @@
                      [2, blocks, N, heads, head_size] flash layout
 
 May import: torch, vLLM (fs_connector.py only), `connectors.store`, `connectors.config`,
-`connectors.logs`, `connectors.log_lines`, and from `connectors.v0` only its vLLM-free modules `kv_layout`
-(the KVLayout base and the flash layout) and `served_model` (the `model` key rule
-shared with V0). Loaded only inside vLLM V1 processes (through `connectors.plugin`).
+`connectors.layout` (the KVLayout base and the flash layout), `connectors.logs`,
+`connectors.log_lines` and `connectors.served_model` (the `model` key rule shared with
+V0). Never `connectors.v0`. Loaded only inside vLLM V1 processes (through `connectors.plugin`).
 """

@@ -70,7 +70,7 @@ from connectors.store import auth, format as fmt
 from connectors.store.fs_store import FSStore, TokenMismatch, dtype_tag
 from connectors.store.model_identity import ModelIdentityError
 from connectors.served_model import served_model_identity, unkeyable_input_problems
-from connectors.v0.kv_layout import LayerWriter
+from connectors.layout.base import LayerWriter
 from connectors.v1 import transfer
 from connectors.v1.kv_layout import UnsupportedLayout, ordered_layers, select_layout
 from connectors.v1.transfer import LoadSpec, SaveSpec, Skip, StepPlan

@@ -19,7 +19,7 @@ backend, physical order given by strides):
     FLEX_ATTENTION            is [b, h, n, :head_size] (K) and [b, h, n, head_size:] (V)
                               -> SplitChannelLayout
     earlier V1 FLASH_ATTN     [2, B, N, H, head_size] (V1 releases before the standard view)
-                              -> connectors.v0.kv_layout.FlashAttentionLayout (same slots)
+                              -> connectors.layout.blocks.FlashAttentionLayout (same slots)
 
 ``N`` is the kernel block size: a backend that needs smaller blocks than the
 manager's sees each manager block as ``block_size // N`` consecutive kernel
@@ -40,19 +40,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from connectors.v0.kv_layout import CacheGeometry, FlashAttentionLayout, KVLayout, UnsupportedLayout
+from connectors.layout.base import CacheGeometry, KVLayout, UnsupportedLayout, as_bits
+from connectors.layout.blocks import FlashAttentionLayout
 
 # A write of token-major key/value [T, heads, head_size] into `slots` of a
 # [blocks, heads, N, 2 * head_size] cache, as the attention backend does it.
 CacheWriter = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 PROBE_BASE = 64  # probe values are 1..PROBE_BASE: exact in fp32, fp16 and bf16
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The same bytes as integers (bit-exact moves; index kernels exist for every integer size)."""
-    return t.view(_BITS[t.element_size()])
 
 
 def _block_offset(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,17 +68,17 @@ class SplitChannelLayout(KVLayout):
         block, offset = _block_offset(slots, self.g.block_size)
         out = self._new_out(cache, slots.shape[0]) if out is None else out
         d = self.g.head_size
-        rows = _bits(cache)[block, :, offset]  # advanced dims 0 and 2 -> [T, heads, 2 * head_size]
-        _bits(out[0]).copy_(rows[..., :d])
-        _bits(out[1]).copy_(rows[..., d:])
+        rows = as_bits(cache)[block, :, offset]  # advanced dims 0 and 2 -> [T, heads, 2 * head_size]
+        as_bits(out[0]).copy_(rows[..., :d])
+        as_bits(out[1]).copy_(rows[..., d:])
         return out
 
     def scatter(self, cache, slots, kv):
         block, offset = _block_offset(slots, self.g.block_size)
         d = self.g.head_size
-        bits = _bits(cache)
-        bits[block, :, offset, :d] = _bits(kv[0].to(cache.dtype))
-        bits[block, :, offset, d:] = _bits(kv[1].to(cache.dtype))
+        bits = as_bits(cache)
+        bits[block, :, offset, :d] = as_bits(kv[0].to(cache.dtype))
+        bits[block, :, offset, d:] = as_bits(kv[1].to(cache.dtype))
 
 
 class PagedCPULayout(KVLayout):
@@ -126,7 +121,7 @@ class PagedCPULayout(KVLayout):
         page = 2 * g.block_size * g.head_size
         if cache.stride(3) != 1 or cache.stride(2) != 2 * g.head_size:
             raise UnsupportedLayout(f"CPU cache pages are not contiguous (strides {list(cache.stride())})")
-        return _bits(cache).as_strided((cache.shape[0], g.kv_heads, page),
+        return as_bits(cache).as_strided((cache.shape[0], g.kv_heads, page),
                                        (cache.stride(0), cache.stride(1), 1))
 
     def _index(self, slots: torch.Tensor, pos: torch.Tensor):
@@ -139,14 +134,14 @@ class PagedCPULayout(KVLayout):
     def gather(self, cache, slots, out=None):
         out = self._new_out(cache, slots.shape[0]) if out is None else out
         pages = self._pages(cache)
-        _bits(out[0]).copy_(pages[self._index(slots, self.key_pos)])
-        _bits(out[1]).copy_(pages[self._index(slots, self.value_pos)])
+        as_bits(out[0]).copy_(pages[self._index(slots, self.key_pos)])
+        as_bits(out[1]).copy_(pages[self._index(slots, self.value_pos)])
         return out
 
     def scatter(self, cache, slots, kv):
         pages = self._pages(cache)
-        pages[self._index(slots, self.key_pos)] = _bits(kv[0].to(cache.dtype))
-        pages[self._index(slots, self.value_pos)] = _bits(kv[1].to(cache.dtype))
+        pages[self._index(slots, self.key_pos)] = as_bits(kv[0].to(cache.dtype))
+        pages[self._index(slots, self.value_pos)] = as_bits(kv[1].to(cache.dtype))
 
     def plan(self, slots):
         return PagePlan(slots.reshape(-1).to("cpu", torch.int64))
@@ -161,7 +156,7 @@ class PagedCPULayout(KVLayout):
         kv = kv.to(cache.device, cache.dtype)
         storage, indices = self._elements(cache, plan)
         for part, index in zip(kv, indices):
-            storage[index] = _bits(part).reshape(-1).numpy()
+            storage[index] = as_bits(part).reshape(-1).numpy()
 
     def gather_layers(self, caches, slots, out=None):
         """`gather` of every layer through one plan (the element indices are worked out once,
@@ -175,7 +170,7 @@ class PagedCPULayout(KVLayout):
             self._pages(cache)  # checks the page strides
             storage, indices = self._elements(cache, plan)
             for part, index in zip(layer_out, indices):
-                np.take(storage, index, out=_bits(part).reshape(-1).numpy())
+                np.take(storage, index, out=as_bits(part).reshape(-1).numpy())
         return out
 
     def _elements(self, cache: torch.Tensor, plan: "PagePlan") -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
@@ -190,7 +185,7 @@ class PagedCPULayout(KVLayout):
                             for pos in (self.key_pos, self.value_pos))
             plan.elements[strides] = indices
         span = (cache.shape[0] - 1) * strides[0] + (g.kv_heads - 1) * strides[1] + 2 * g.block_size * g.head_size
-        return _bits(cache).as_strided((span,), (1,)).numpy(), indices
+        return as_bits(cache).as_strided((span,), (1,)).numpy(), indices
 
 
 @dataclass
