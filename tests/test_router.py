@@ -26,6 +26,7 @@ import httpx
 import pytest
 from aiohttp import web
 from multidict import CIMultiDictProxy
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.cluster.router_process import router_instance
 from kvctl.cluster.router_process import start_router as start_launched_router
@@ -96,6 +97,7 @@ class FakeVLLM:
         self.status = 200  # a non-200 answers every completion with `error_json`
         self.error_json: bytes = b'{"object":"error","message":"bad","type":"BadRequestError","param":null,"code":400}'
         self.health_status = 200
+        self.health_hits = 0  # GET /health requests answered (the router's checks)
         self.delay_s = 0.0  # before answering a completion
         self.chunk_delay_s = 0.0  # between streamed chunks
         self.fail_after: int | None = None  # cut the connection after this many chunks
@@ -132,6 +134,7 @@ class FakeVLLM:
             self._runner = None
 
     async def _health(self, request: web.Request) -> web.Response:
+        self.health_hits += 1
         return web.Response(status=self.health_status)
 
     def _denied(self, request: web.Request) -> web.Response | None:
@@ -667,9 +670,11 @@ def test_a_dropped_connection_of_a_live_instance_keeps_it(make_cluster):
     c.decode[1].fail_after = 1  # one answer cut off, but /health still answers 200
     body = {"model": MODEL, "prompt": "x", "max_tokens": 2}
     assert httpx.post(f"{c.url}/v1/completions", json=body, timeout=30).status_code == 200
+    checks = c.decode[1].health_hits
     with pytest.raises(httpx.RemoteProtocolError):
         httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
-    time.sleep(0.5)  # the re-check has answered
+    # the re-check, not the 60 s interval: decode-1's /health is asked again at once
+    assert wait_for(lambda: c.decode[1].health_hits > checks, timeout=5, what="the re-check") < 5
     c.decode[1].fail_after = None
     assert c.instances()["decode-1"]["healthy"] is True
     picks = [httpx.post(f"{c.url}/v1/completions", json=body, timeout=30).headers["X-Kvctl-Decode"]
@@ -712,11 +717,15 @@ def test_metrics_are_prometheus_text(make_cluster):
         client.completions.create(model=MODEL, prompt="x", max_tokens=2)
     r = httpx.get(f"{c.url}/metrics")
     assert r.headers["content-type"].startswith("text/plain")
-    samples = {}
-    for line in r.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    values = {(s.name, frozenset(s.labels.items())): s.value for f in families.values() for s in f.samples}
+
+    class Samples:  # samples['name{k="v",...}'], whatever order the labels were written in
+        def __getitem__(self, key: str) -> float:
+            name, _, labels = key.partition("{")
+            return values[(name, frozenset(re.findall(r'(\w+)="([^"]*)"', labels)))]
+
+    samples = Samples()
     assert samples['kvctl_router_requests_total{path="/v1/completions",status="200"}'] == 4
     assert samples['kvctl_router_requests_total{path="/v1/completions",status="502"}'] == 1
     assert samples['kvctl_router_instance_requests_total{role="prefill",instance="prefill-0"}'] == 5
@@ -729,7 +738,8 @@ def test_metrics_are_prometheus_text(make_cluster):
     assert samples['kvctl_router_decode_seconds_count{instance="decode-0"}'] == 2
     assert samples['kvctl_router_request_seconds_count{path="/v1/completions"}'] == 5
     assert samples['kvctl_router_instance_healthy{role="decode",instance="decode-1"}'] == 1
-    assert "# TYPE kvctl_router_prefill_seconds histogram" in r.text
+    assert families["kvctl_router_prefill_seconds"].type == "histogram"
+    assert families["kvctl_router_instance_healthy"].type == "gauge"
 
 
 # --- the process: python -m kvctl.router ---

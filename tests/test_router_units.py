@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.errors import BadInput
 from kvctl.router.bodies import BadRequestBody, encode, parse_request, prefill_request
@@ -128,12 +129,16 @@ def test_metrics_text():
     m.inc(m.requests, path="/v1/completions", status=200)
     m.inc(m.requests, path="/v1/completions", status=200)
     m.observe(m.prefill, 0.003, instance='p"0')
-    text = m.render([("g", "a gauge", "gauge", {"instance": "d"}, 1.0)])
-    lines = text.splitlines()
-    assert 'kvctl_router_requests_total{path="/v1/completions",status="200"} 2' in lines
-    assert 'kvctl_router_prefill_seconds_bucket{instance="p\\"0",le="0.0025"} 0' in lines
-    assert 'kvctl_router_prefill_seconds_bucket{instance="p\\"0",le="0.005"} 1' in lines
-    assert 'kvctl_router_prefill_seconds_bucket{instance="p\\"0",le="+Inf"} 1' in lines
-    assert 'kvctl_router_prefill_seconds_count{instance="p\\"0"} 1' in lines
-    assert "# TYPE g gauge" in lines and 'g{instance="d"} 1' in lines
+    text = m.render([("g", "a gauge", {"instance": "d"}, 1.0)])
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+    assert samples[("kvctl_router_requests_total", (("path", "/v1/completions"), ("status", "200")))] == 2
+    assert samples[("kvctl_router_prefill_seconds_bucket", (("instance", 'p"0'), ("le", "0.0025")))] == 0
+    assert samples[("kvctl_router_prefill_seconds_bucket", (("instance", 'p"0'), ("le", "0.005")))] == 1
+    assert samples[("kvctl_router_prefill_seconds_bucket", (("instance", 'p"0'), ("le", "+Inf")))] == 1
+    assert samples[("kvctl_router_prefill_seconds_count", (("instance", 'p"0'),))] == 1
+    assert families["kvctl_router_requests"].type == "counter"
+    assert families["kvctl_router_prefill_seconds"].type == "histogram"
+    assert families["g"].type == "gauge" and samples[("g", (("instance", "d"),))] == 1
+    assert not any(name.endswith("_created") for name, _ in samples)
     assert text.endswith("\n")

@@ -13,7 +13,7 @@ to the client as it arrives. See docs/router.md.
     headers.py    the headers each answer carries (request id, P, D, P's milliseconds); pure
     route_log.py  the one log line per routed request (request id, P, D, status,
                   latencies): writing it and parsing it back; pure
-    metrics.py    counters and latency histograms, rendered as Prometheus text; pure
+    metrics.py    counters and latency histograms (prometheus_client), the /metrics text; pure
     health.py     the background health checker (GET /health on every instance)
     app.py        create_app(config) -> aiohttp Application, and start_router/serve
     __main__.py   `python -m kvctl.router --prefill URL --decode URL --port N ...`: the
@@ -22,10 +22,10 @@ to the client as it arrives. See docs/router.md.
                   `kvctl bench router`)
     fakes.py      `python -m kvctl.router.fakes PORT...`: those instant fake servers
 
-May import: aiohttp, `kvctl.errors` (`bench` also `kvctl.net`; `fakes` typer). Never torch or vLLM (it
-runs in kvctl's light venv), never a command, a view, the cluster, verify or scenario
-packages (they start and drive the router; it knows nothing of them), except the
-`__main__` entry point, which runs its command (kvctl.commands.router through
-kvctl.frontend). Library code: nothing here prints (fakes says `ready` to its
+May import: aiohttp, prometheus_client, `kvctl.errors` (`bench` also `kvctl.net`; `fakes`
+typer; the `__main__` entry point `kvctl.frontend` and `kvctl.commands.router`, to run its
+command). Never torch or vLLM (it runs in kvctl's light venv), never a command, a view,
+the cluster, verify or scenario packages otherwise (they start and drive the router; it
+knows nothing of them). Library code: nothing here prints (fakes says `ready` to its
 parent); errors name fields (`prefill`, `port`), never command-line flags.
 """

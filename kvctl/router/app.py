@@ -475,9 +475,9 @@ class Router:
         return _json(200, {"policy": self.config.policy, "instances": [i.to_json() for i in self.instances]})
 
     async def metrics_view(self, request: web.Request) -> web.Response:
-        gauges = [("kvctl_router_instance_healthy", "1 while the instance's /health answers 200.", "gauge",
+        gauges = [("kvctl_router_instance_healthy", "1 while the instance's /health answers 200.",
                    {"role": i.config.role, "instance": i.name}, float(i.healthy)) for i in self.instances]
-        gauges += [("kvctl_router_instance_outstanding", "Requests in flight on the instance.", "gauge",
+        gauges += [("kvctl_router_instance_outstanding", "Requests in flight on the instance.",
                     {"role": i.config.role, "instance": i.name}, float(i.outstanding)) for i in self.instances]
         return web.Response(body=self.metrics.render(gauges).encode(),
                             headers={"Content-Type": METRICS_CONTENT_TYPE})
