@@ -235,8 +235,11 @@ def test_check_fix_keeps_young_temp_files(tmp_path, fork_ctx, kvctl):
     root = tmp_path / "store"
     root.mkdir()
     rng = random.Random(7)
-    while not temp_keys(root):
+    for _ in range(200):  # a kill lands mid-write within a few tries; bounded all the same
+        if temp_keys(root):
+            break
         start_and_kill(fork_ctx, _atomic_writer, root, 1000, rng)
+    assert temp_keys(root), "no kill left a temp file in 200 tries"
     res = kvctl("store", "check", str(root), "--fix", "--json")
     assert res.rc == 1, res
     fixed = json.loads(res.stdout)

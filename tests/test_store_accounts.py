@@ -274,7 +274,8 @@ def test_concurrent_threads_in_one_process(root, size):
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a publishing thread hung"
     assert not errors
     assert published_bytes(root) <= 30 * size
     assert read_accounts(root).total_bytes == published_bytes(root)

@@ -141,13 +141,15 @@ def test_two_producers_share_one_bound(tmp_path):
     for p in procs:
         p.start()
     worst = samples = 0
+    deadline = time.monotonic() + 300
     while any(p.is_alive() for p in procs):
+        assert time.monotonic() < deadline, "the producers did not finish in 300 s"
         with store_lock(root):
             worst = max(worst, published_bytes(root))
         samples += 1
         time.sleep(0.005)
     for p in procs:
-        p.join()
+        p.join(timeout=30)
         assert p.exitcode == 0
     assert samples > 5
     assert worst <= bound, f"store reached {worst} bytes, bound {bound}"

@@ -21,7 +21,6 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from e2e_helpers import slot_lock_path
 from connectors.store import format as fmt
 from connectors.v1.transfer import KV_ONLY_SUFFIX
 from kvctl.client import VLLMClient, user_messages
+from kvctl.net import free_ports
 from kvctl.verify import markers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
@@ -74,12 +74,6 @@ class Server:
         return VLLMClient(self.url, MODEL_NAME, role=self.name)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kv_config(role: str, store: Path, by_module_path: bool = False) -> dict:
     cfg = {"kv_connector": "FSConnector", "kv_role": role,
            "kv_connector_extra_config": {"fs_storage_path": str(store), "fsync": False}}
@@ -105,7 +99,7 @@ def server_env(cpu_bind: str, extra: dict[str, str] | None = None) -> dict[str, 
 def start_v1(python: Path, model: Path, name: str, workdir: Path, kv: dict | None, cpu_bind: str,
              block_size: int | None = None, extra: tuple[str, ...] = ()) -> Server:
     """A V1 server with V1's defaults (prefix caching, chunked prefill) and the BRIEF's CPU settings."""
-    port = free_port()
+    port = free_ports(1)[0]
     args = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048"]
@@ -121,7 +115,7 @@ def start_v0(rig_python: Path, model: Path, name: str, workdir: Path, kv: dict, 
     from kvctl.cluster.spec import DEFAULT_WORKER_CLS
     from kvctl.runtime.base import ENTRYPOINT_MODULE, InstanceSpec, vllm_server_args, vllm_server_env
 
-    port = free_port()
+    port = free_ports(1)[0]
     spec = InstanceSpec(cluster="v1-interop", role="prefill", model=model, served_model_name=MODEL_NAME,
                         dtype="float32", port=port, cwd=workdir, log_path=workdir / f"{name}.log",
                         kv_transfer_config=kv, worker_cls=DEFAULT_WORKER_CLS, cpu_bind=cpu_bind)
