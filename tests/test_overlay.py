@@ -137,3 +137,54 @@ def test_local_runtime_puts_the_overlay_first_on_the_servers_path(tmp_path, monk
     assert inst.record()["overlay"] == str(ov.path)
     assert ov.path.parent == tmp_path / "home" / "overlays"
 
+
+
+def _readme_overlay_line() -> str:
+    """The README's own-vLLM recipe line that puts the overlay on PYTHONPATH."""
+    text = (ROOT / "README.md").read_text()
+    recipe = text[text.index("## Using the connectors in your own vLLM"):]
+    return next(line for line in recipe.splitlines() if line.startswith("export PYTHONPATH=")
+                and "kvctl rig overlay" in line)
+
+
+def test_rig_overlay_builds_on_a_fresh_home_and_the_readme_recipe_works(kvctl, kvctl_home, tmp_path):
+    before = json.loads(kvctl("rig", "status", "--json").stdout)["overlay"]
+    assert before["built"] is False and not Path(before["site"]).exists()  # a fresh $KVCTL_HOME
+
+    r = kvctl("rig", "overlay")
+    assert r.rc == 0, r
+    site = Path(r.stdout.strip())
+    assert r.stdout == f"{site}\n" and str(site) == before["site"]  # the site alone: for $(...)
+    assert (site / "connectors" / "log_lines.py").is_file() and "built" in r.stderr
+    after = json.loads(kvctl("rig", "status", "--json").stdout)["overlay"]
+    assert after["built"] is True and after["key"] == before["key"]
+
+    again = json.loads(kvctl("rig", "overlay", "--json").stdout)
+    assert (again["site"], again["built"], again["built_now"]) == (str(site), True, False)
+    assert again["engine"] is None and again["python"] is None
+
+    # The README's line, as a user runs it in a shell on a fresh home: the connectors and the
+    # plugin entry point come from the overlay.
+    home = tmp_path / "fresh-home"
+    env = {**os.environ, "KVCTL_HOME": str(home), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)
+    script = (_readme_overlay_line() + "\n" + f"{sys.executable} -c \"import importlib.metadata as md, "
+              "connectors.plugin as p; print(p.__file__); print([e.value for e in "
+              "md.entry_points(group='vllm.general_plugins') if e.name == 'kvctl_connectors'])\"")
+    probe = subprocess.run(["bash", "-ec", script], cwd="/", env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert probe.returncode == 0, probe.stderr
+    origin, eps = probe.stdout.splitlines()
+    assert origin.startswith(str(home / "overlays")) and origin.endswith("/site/connectors/plugin.py")
+    assert eps == "['connectors.plugin:register']"
+
+
+def test_rig_overlay_engine_names_the_rig_and_refuses_an_unknown_one(kvctl, kvctl_home):
+    bad = kvctl("rig", "overlay", "--engine", "v9", "--json")
+    assert bad.rc == 2 and "engine" in json.loads(bad.stdout)["error"]
+    assert not (kvctl_home / "overlays").exists()  # refused before anything was built
+    out = json.loads(kvctl("rig", "overlay", "--engine", "v0", "--json").stdout)
+    assert out["engine"] == "v0" and Path(out["site"]).is_dir()
+    override = kvctl.env.get("KVCTL_RIG_PYTHON")
+    # the rig's interpreter: the test rig's override, or none (no rig under a fresh home)
+    assert out["python"] == (str(Path(override).absolute()) if override else None)

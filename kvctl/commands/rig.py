@@ -7,10 +7,12 @@ from pathlib import Path
 
 import typer
 
+from kvctl.errors import BadInput
 from kvctl.options import JSON_OPT
 from kvctl.provision import extras, overlay, rig
 from kvctl.views.output import Output
-from kvctl.views.rig import InstallReporter, render_installed, render_layered_venv, render_rig_status
+from kvctl.views.rig import (InstallReporter, render_installed, render_layered_venv, render_overlay,
+                             render_rig_status)
 
 rig_app = typer.Typer(
     help="The CPU rig: a read-only venv with torch and vLLM under $KVCTL_HOME/rigs, one per "
@@ -60,7 +62,7 @@ def python(engine: str | None = ENGINE_OPT) -> None:
     """Print the rig's interpreter path; exits 2 with the reason when the rig is not installed.
 
     The rig holds torch and vLLM only: run kvctl's code with it through `kvctl rig venv`
-    (tests) or the overlay `kvctl rig status` names (PYTHONPATH).
+    (tests) or the overlay `kvctl rig overlay` builds and prints (PYTHONPATH).
     """
     typer.echo(str(rig.rig_python(rig.default_spec(engine))))
 
@@ -73,6 +75,28 @@ def status(engine: str | None = ENGINE_OPT, json_out: bool = JSON_OPT) -> None:
     render_rig_status(out, rig.rig_status(spec) | {
         "extras": [extras.extra_status(e, spec) for e in extras.extras_for_engine(spec.engine)],
         "overlay": overlay.overlay_status()})
+
+
+@rig_app.command("overlay")
+def overlay_cmd(engine: str | None = typer.Option(
+        None, "--engine", help="Also name this engine's rig interpreter to run it with (JSON `python`; "
+                               f"{' or '.join(rig.ENGINES)})."),
+        json_out: bool = JSON_OPT) -> None:
+    """Build this kvctl's overlay if it is missing and print its site directory.
+
+    Put the site first on PYTHONPATH to run this kvctl's connectors in your own vLLM:
+    `export PYTHONPATH="$(kvctl rig overlay)${PYTHONPATH:+:$PYTHONPATH}"`.
+    """
+    out = Output(json_mode=json_out)
+    spec = rig.default_spec(engine) if engine is not None else None  # an unknown engine: exit 2
+    built = overlay.ensure_overlay()
+    python = None
+    if spec is not None:
+        try:
+            python = str(rig.rig_python(spec))
+        except BadInput:
+            python = None  # that rig is not installed: the overlay serves any vLLM all the same
+    render_overlay(out, built, overlay.overlay_status(), engine, python)
 
 
 @rig_app.command("venv")

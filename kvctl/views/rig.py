@@ -14,6 +14,7 @@ from rich.table import Table
 
 from kvctl.errors import BadInput
 from kvctl.provision import extras, rig
+from kvctl.provision.overlay import Overlay
 from kvctl.views.output import Output
 
 
@@ -146,6 +147,21 @@ def render_rig_status(out: Output, st: dict) -> None:
     if others:
         out.stdout.print(f"  {len(others)} other overlay(s) in {escape(str(Path(ov['path']).parent))}",
                          highlight=False)
+
+
+def render_overlay(out: Output, built: Overlay, status: dict, engine: str | None, python: str | None) -> None:
+    """`kvctl rig overlay`: the site directory alone on stdout (for `$(...)`), what happened on
+    stderr; or the JSON: the overlay's status, `built_now`, `seconds`, and `engine`/`python`."""
+    if out.json_mode:
+        out.emit_json(status | {"built_now": built.built, "seconds": round(built.seconds, 3),
+                                "engine": engine, "python": python})
+        return
+    what = f"built in {built.seconds:.2f} s" if built.built else "already built"
+    out.info(f"overlay {built.key} ({what}, kvctl {status['version']}, {status['files']} files)")
+    if engine is not None:
+        out.info(f"rig {engine}: {python}" if python else f"rig {engine}: not installed (`kvctl rig install "
+                                                           f"--engine {engine}`)")
+    out.stdout.print(str(built.site), highlight=False, markup=False)
 
 
 def render_layered_venv(out: Output, venv: rig.LayeredVenv) -> None:
