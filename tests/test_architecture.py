@@ -237,3 +237,50 @@ def test_v1_never_imports_v0():
     # V0 is gone upstream: what V1 shares with it lives in connectors.layout and served_model.
     assert {(m, t) for m, ts in GRAPH.items() if m.startswith("connectors.v1")
             for t in ts if t.startswith("connectors.v0")} == set()
+
+
+# A package docstring's "May import:" sentence: the backquoted kvctl/connectors names in it
+# are what the package's modules may import from outside the package.
+MAY_IMPORT = re.compile(r"May import:(.*?)(?:\.\s+(?=[A-Z])|\n\s*\n|$)", re.S)
+OUR_NAME = re.compile(r"`((?:kvctl|connectors)(?:\.\w+)*)`")
+
+
+def _may_import(doc: str) -> set[str] | None:
+    m = MAY_IMPORT.search(doc)
+    return None if m is None else set(OUR_NAME.findall(m.group(1)))
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _undeclared(package: str, allowed: set[str], graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    return {(m, t) for m, ts in graph.items() if _within(m, package) for t in ts
+            if not _within(t, package) and not any(_within(t, a) for a in allowed)}
+
+
+PACKAGE_DOCS = {name: ast.get_docstring(tree) or "" for name, tree in MODULES.items()
+                if (ROOT / Path(*name.split(".")) / "__init__.py").exists()}
+# Packages whose docstring states their imports some other way (each checked by its own test).
+NO_LIST = {"connectors": "test_connectors_never_import_kvctl", "kvctl.commands":
+           "test_no_command_imports_another_command"}
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGE_DOCS))
+def test_package_imports_only_what_its_docstring_lists(package):
+    allowed = _may_import(PACKAGE_DOCS[package])
+    if package in NO_LIST:
+        assert allowed is None, f"{package} now has a May import list: drop it from NO_LIST"
+        return
+    assert allowed is not None, f"{package}/__init__.py needs a 'May import:' sentence"
+    graph = GRAPH if package != "kvctl" else {m: ts for m, ts in GRAPH.items() if m not in RIG_SIDE}
+    assert sorted(_undeclared(package, allowed, graph)) == []
+
+
+def test_may_import_check_sees_an_undeclared_import():
+    doc = "Things.\n\nMay import: `kvctl.errors`, `connectors.config` (the schema). Never `kvctl.cluster`."
+    assert _may_import(doc) == {"kvctl.errors", "connectors.config"}  # the Never sentence is not a grant
+    graph = {"kvctl.a.x": {"kvctl.a.y", "kvctl.errors", "connectors.config.validate"},
+             "kvctl.a.y": {"kvctl.cluster.state"}, "kvctl.b": {"kvctl.cluster"}}
+    assert _undeclared("kvctl.a", _may_import(doc), graph) == {("kvctl.a.y", "kvctl.cluster.state")}
+    assert _may_import("No list here.") is None

@@ -9,5 +9,5 @@
 The engine-specific adapters build on this: connectors.v0.kv_layout (V0's
 backends) and connectors.v1.kv_layout (V1's paged views); neither imports the other.
 
-May import: torch. Nothing else in `connectors`, never vLLM or kvctl.
+May import: torch. Nothing else of connectors; never vLLM or kvctl.
 """

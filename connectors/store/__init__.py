@@ -9,5 +9,6 @@
                  cached xxh3-128 content fingerprint (standard library + xxhash; kvctl may use it)
     fs_store.py  the torch side used by the connectors: save and load tensors (imports both)
 
-May import: nothing else in `connectors` (logs and log_lines excepted). Must not import vLLM.
+May import: `connectors.logs`, `connectors.log_lines`, the standard library, xxhash, torch
+(fs_store.py only). Nothing else of connectors; never vLLM or kvctl.
 """

@@ -14,6 +14,7 @@
 
 May import: torch, vLLM, `connectors.store`, `connectors.config`, `connectors.layout`,
 `connectors.logs`, `connectors.log_lines`, `connectors.served_model`, `connectors.registry`.
+
 Loaded only inside vLLM processes (through `connectors.plugin`); `kvctl.bench`
 imports `kv_layout` inside the rig.
 """

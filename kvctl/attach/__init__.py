@@ -10,7 +10,7 @@ An attached cluster is a cluster.json like a launched one (kvctl.cluster.state
 documents the added fields), so status, verify, inspect-store and scenarios read
 it the same way; nothing here starts, stops or changes a server.
 
-May import: `kvctl.cluster` (state only), `kvctl.errors`, `kvctl.paths`,
-`connectors.config`. Never a command, a view, verify or scenario (they build on this).
+May import: `kvctl.cluster` (state only), `kvctl.client` (asking the served model),
+`kvctl.errors`, `kvctl.paths`, `connectors.config`. Never a command, a view, verify or scenario (they build on this).
 Library code: nothing here prints; errors name fields (`prefill_log`), never CLI flags.
 """

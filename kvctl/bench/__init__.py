@@ -26,7 +26,7 @@ has each size.
 
 May import: `kvctl.cluster`, `kvctl.runtime`, `kvctl.provision`, `kvctl.verify` (markers,
 cluster_info, log_files, load_mode's prompts),
-`kvctl.client`, `kvctl.subprocesses`, `kvctl.errors`, `kvctl.paths`; store.py and
+`kvctl.client`, `kvctl.net`, `kvctl.signals`, `kvctl.subprocesses`, `kvctl.errors`, `kvctl.paths`; store.py and
 layout.py also torch, numpy, safetensors and `connectors` (they run in the rig),
 and common.py is imported there too, so it stays torch-free and light. Never a
 command or a view.

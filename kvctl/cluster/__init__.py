@@ -10,7 +10,8 @@
     nixl.py       what a server running vLLM's NixlConnector gets (configs, side-channel
                   ports, UCX transports, lease, the DEBUG loggers of its lines)
 
-May import: `kvctl.runtime`, `kvctl.provision`, `kvctl.subprocesses`, `connectors.config`,
-`kvctl.errors`, `kvctl.paths`. Never a command, a view, verify or scenario (they
+May import: `kvctl.runtime`, `kvctl.provision`, `kvctl.subprocesses`, `kvctl.net` (ports,
+health), `kvctl.signals`, `kvctl.router` (its config: defaults and the API-key variable),
+`connectors.config`, `connectors.store` (atomic writes), `kvctl.errors`, `kvctl.paths`. Never a command, a view, verify or scenario (they
 build on this).
 """

@@ -14,6 +14,6 @@ The vLLM command line and environment come from kvctl.runtime.base, as for the
 local and docker runtimes, so a pod runs the same server a container would.
 
 May import: `kvctl.runtime.base` (the server command line), `kvctl.scenario.schema`
-(the roles' configs, args and env), `kvctl.attach.file`, `connectors.config`,
-`kvctl.errors`. Never a command or a view. Nothing here talks to a cluster.
+(the roles' configs, args and env), `kvctl.attach.file`, `kvctl.cluster.nixl` (NIXL's
+per-instance settings), `connectors.config`, `kvctl.errors`. Never a command or a view. Nothing here talks to a cluster.
 """

@@ -20,7 +20,7 @@ docker/rig-install.py runs rig.py in an image build's bare python (images.RECIPE
 lists what it copies, with kvctl/__init__.py, errors.py, paths.py and subprocesses.py).
 
 May import: `kvctl.errors`, `kvctl.paths`, `kvctl.subprocesses`, `connectors.store` (atomic
-writes; `overlay.py` nothing else of connectors), and (images.py)
+writes), `connectors.config` (the engine names), and (images.py)
 `kvctl.runtime.docker_engine` for the engine connection. Never a runtime, the
 cluster, a command or a view.
 """

@@ -7,7 +7,8 @@
     catalog.py     the shipped scenarios and whether this machine can run them
     validation.py  what `kvctl validate` checks: a kv-transfer-config or a scenario
 
-May import: `kvctl.cluster`, `kvctl.verify`, `kvctl.store`, `kvctl.runtime`, `kvctl.errors`,
-`kvctl.paths`, `connectors.config`. Never a command or a view. Errors raised by
+May import: `kvctl.cluster`, `kvctl.verify`, `kvctl.store`, `kvctl.runtime`, `kvctl.attach`
+(attached clusters), `kvctl.provision` (what this machine can run), `kvctl.signals`,
+`kvctl.errors`, `kvctl.paths`, `connectors.config`. Never a command or a view. Errors raised by
 the library are located at scenario paths with `KvctlError.locate(scenario_path)`.
 """

@@ -19,10 +19,10 @@
                      the one loop over prompts (concurrency, keep going, expected send
                      children, require)
     load_mode.py     verify under load: generated prompts, throughput and latency figures
-    junit.py         JUnit XML from verify reports
+    junit.py         the one JUnit writer: verify's file, and the parts scenario's adds to
 
 May import: `kvctl.client`, `kvctl.cluster` (state only), `kvctl.router` (its bodies and
-headers), `kvctl.errors`, `kvctl.paths`,
+headers), `kvctl.signals`, `kvctl.errors`, `kvctl.paths`,
 `connectors.store`, `connectors.config`, `connectors.log_lines`. Never a command, a view or another front end.
 Library code: nothing here prints; errors name fields (`max_tokens`), never CLI flags.
 """
