@@ -44,6 +44,11 @@ KV_SEND = _RANK + KV_SEND_PHRASE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms
 KV_SEND_STORED = _RANK + KV_SEND_PHRASE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)"
 # P: a publish failed (rank, key, error, "; N similar failures not logged" or "").
 KV_SEND_FAILED = _RANK + "KV send FAILED for key=%s: %s (serving continues; nothing published)%s"
+# P: what was not published, and why: a whole step (rank, problem), one request (rank,
+# request, tokens, refusal), a step short of hidden rows (rank, key, rows, step tokens).
+KV_NOT_SENT = _RANK + "KV not sent: %s"
+KV_NOT_SENT_REQUEST = _RANK + "KV not sent for request %s (%d tokens): %s"
+KV_NOT_SENT_HIDDEN = _RANK + "KV not sent for key=%s: %d hidden rows for a step of %d tokens"
 # V0 D: every prefill of the step served from the store (rank, keys, tokens, bytes, ms, load_ms, scatter_ms).
 SKIP_FORWARD = (_RANK + SKIP_PHRASE + ". keys=%s tokens=%d bytes=%d ms=%.1f load_ms=%.1f "
                 "scatter_ms=%.1f")

@@ -154,14 +154,14 @@ class FSConnector(KVConnectorBase):
         step = split_prefills(model_input)
         if not step.transferable:
             if step.problem:
-                logger.warning("[rank%d]: KV not sent: %s", self.rank, step.problem)
+                logger.warning(log_lines.KV_NOT_SENT, self.rank, step.problem)
             return
         identity, layout = self._bind(kv_caches)
         hidden = hidden_or_intermediate_states
         for span in step.spans:
             if span.refusal:
-                logger.info("[rank%d]: KV not sent for request %d (%d tokens): %s", self.rank,
-                            span.index, span.num_tokens, span.refusal)
+                logger.info(log_lines.KV_NOT_SENT_REQUEST, self.rank, span.index, span.num_tokens,
+                            span.refusal)
                 continue
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
@@ -169,8 +169,7 @@ class FSConnector(KVConnectorBase):
                 logger.info(log_lines.KV_SEND_STORED, self.rank, key, len(tokens))
                 continue
             if hidden.shape[0] < span.end:
-                logger.warning("[rank%d]: KV not sent for key=%s: %d hidden rows for a step of "
-                               "%d tokens", self.rank, key, hidden.shape[0], span.end)
+                logger.warning(log_lines.KV_NOT_SENT_HIDDEN, self.rank, key, hidden.shape[0], span.end)
                 continue
             slots = span_slots(model_input, span)
             try:

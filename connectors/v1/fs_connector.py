@@ -230,8 +230,7 @@ class FSConnector(KVConnectorBase_V1):
                 request = self._prompts.get(req_id)
                 refusal = _refusal(request, loading=False) if request is not None else ""
                 if refusal:
-                    logger.info("[rank0]: KV not sent for request %s (%d tokens): %s", req_id,
-                                len(prompt), refusal)
+                    logger.info(log_lines.KV_NOT_SENT_REQUEST, 0, req_id, len(prompt), refusal)
                     continue
                 plan.saves.append(SaveSpec(req_id=req_id, token_ids=list(prompt),
                                            block_ids=list(_block_ids(blocks, req_id))))
