@@ -28,7 +28,7 @@ def test_store_bench_quick_scale_and_to_cache_shapes(kvctl, rig_python, tmp_path
     assert list(doc["ratios_by_size"]) == ["0.25 MB", "scale"]
     assert set(doc["ratios_by_size"]["scale"]) == set(SCALE)
     (size,) = doc["raw"]["sizes"]
-    assert set(size["to_cache"]["to_cache_s"]) == {"ours", "ours_two_pass", "per_layer_safetensors",
+    assert set(size["to_cache"]["to_cache_s"]) == {"ours", "ours_mac", "ours_two_pass", "per_layer_safetensors",
                                                    "seed_safetensors", "raw_read", "memcpy"}
     cases = doc["raw"]["scale"]["cases"]
     assert [c["entries"] for c in cases] == [100, 400]
