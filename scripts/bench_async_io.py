@@ -130,6 +130,7 @@ def main(model: Path, out: Path) -> None:
     store = work / "store"
     store.mkdir()
     fs = lambda role: {"kv_connector": "FSConnector", "kv_role": role,  # noqa: E731
+                       "kv_connector_module_path": "connectors.v1.fs_connector",
                        "kv_connector_extra_config": {"fs_storage_path": str(store)}}
     figures: dict = {"model": str(model), "tokens_rps": RPS_TOKENS, "sizes": list(SIZES)}
     pair = [start(model, work, "p", fs("kv_producer"), "0"), start(model, work, "d", fs("kv_consumer"), "1")]
