@@ -21,7 +21,11 @@ The V1 FSConnector logs the KV load lines (once per request on D) and never the
 skip/redo lines (D always computes at least the last prompt token). The
 upstream V0 connectors print the send/skip/redo phrases without the key=value
 tail; the patterns accept both. vLLM's own `Received request <id>: prompt: ...`
-is read too (RECEIVED).
+is read too (RECEIVED), and so is LMCache's server (`lmcache server`, multi-process
+mode), per store or retrieve of whole chunks, in lines that name no request:
+
+    LMCache INFO: Stored <N> tokens in <s> seconds
+    LMCache INFO: Retrieved <N> tokens in <s> seconds   (LMCACHE_RE)
 """
 
 from __future__ import annotations
@@ -90,3 +94,7 @@ CHILD_SEND_FAILED_RE = re.compile(
     r"child (?P<child>\d+) (?P<name>[\w.]+) failed in " + SEND_METHOD + r": (?P<error>.*)$")
 RECEIVED_RE = re.compile(r"Received request (?P<id>[\w-]+): prompt: ")
 FIELD_RE = re.compile(r"(\w+)=(\S+)")  # the key=value tail
+# LMCache 0.5.6's server (engine_driven_transfer.py), on its own log; "Stored N Q tokens" is another line.
+LMCACHE_STORED = "Stored"
+LMCACHE_RETRIEVED = "Retrieved"
+LMCACHE_RE = re.compile(r"\b(?P<what>Stored|Retrieved) (?P<tokens>\d+) tokens in (?P<seconds>[\d.]+) seconds")

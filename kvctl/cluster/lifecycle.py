@@ -32,7 +32,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,8 @@ from kvctl.runtime.base import (
     last_log_line,
     read_log_tail,
 )
+from kvctl.cluster.lmcache_process import (answers_healthcheck, lmcache_python, plan_for_launch, server_instance,
+                                           start_server, wait_servers_ready)
 from kvctl.cluster.router_process import router_instance, start_router
 from kvctl.signals import run_to_completion, signals_interrupt
 from kvctl.subprocesses import TAIL_LINES
@@ -164,7 +166,7 @@ def _ensure_name_free(name: str) -> None:
                        where=str(cluster_dir(name)),
                        fix=f"tear cluster {name!r} down first (`kvctl down`), or launch under another name")
     log.info("cluster %r has state but no running server; cleaning it up (store kept)", name)
-    _stop_all(instances)  # stray children of a dead leader
+    _stop_all(instances | {n: server_instance(r) for n, r in state.lmcache.items()})  # strays of a dead leader
     _remove_leftovers(state)
     remove_state(name)
 
@@ -277,6 +279,8 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
 
     def cleanup() -> None:
         _stop_all(started)
+        if state is not None:
+            _stop_all({n: server_instance(r) for n, r in state.lmcache.items()}, STOP_GRACE_S)
         if state is not None and state.router is not None:
             router_instance(state.router).stop(STOP_GRACE_S)
         runtime.remove_leftovers(spec.name)  # docker: a container made but not yet recorded
@@ -304,6 +308,14 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             ispecs = instance_specs(spec)
             for ispec in ispecs.values():
                 runtime.check_instance(ispec)  # local: each engine's rig
+            # LMCache servers first (ports checked, configs pointed at them), healthy before any vLLM
+            ispecs, servers = plan_for_launch(spec, ispecs)
+            if servers:
+                python = lmcache_python()
+                for server in servers:
+                    state.lmcache[server.name] = start_server(server, python, cdir)
+                    save_cluster(state)  # at once: `kvctl down` must find it if we die
+                wait_servers_ready(state.lmcache)
             for iname, ispec in ispecs.items():
                 inst = runtime.start(ispec)
                 started[iname] = inst
@@ -325,6 +337,38 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
         except BaseException:
             run_to_completion(cleanup)
             raise
+
+
+def restart_instances(spec: ClusterSpec, names: list[str], progress: ProgressFn | None = None) -> ClusterState:
+    """Stop instances `names` of the running cluster `spec` launched and start them again as they
+    were (same port, config, engine and log file), waiting until they answer /health.
+
+    Their LMCache servers and the other instances keep running: what a restarted prefill finds
+    again is what lives outside it (the store, its LMCache server). Returns the saved state.
+    Raises BadInput for an unknown instance; RuntimeFailure when one does not come back (its
+    log tail included; the cluster stays, for `kvctl down`).
+    """
+    state = load_cluster(spec.name)
+    unknown = [n for n in names if n not in state.instances]
+    if unknown:
+        raise BadInput(f"cluster {spec.name!r} has no instance {unknown[0]!r}", field="restart",
+                       fix=f"name one of: {', '.join(state.instances)}")
+    runtime = get_runtime(spec.runtime, spec)
+    planned = instance_specs(spec)
+    _stop_all({n: inst for n, inst in _attach_all(state).items() if n in names})
+    t0 = time.monotonic()
+    started: dict[str, Instance] = {}
+    for n in names:
+        rec = state.instances[n]
+        ispec = replace(planned[n], port=int(rec.url.rsplit(":", 1)[1]), kv_transfer_config=rec.kv_transfer_config)
+        inst = runtime.start(ispec)
+        started[n] = inst
+        state.instances[n] = InstanceRecord(role=rec.role, url=inst.url, log_path=str(inst.log_path),
+                                            kv_transfer_config=rec.kv_transfer_config, cwd=rec.cwd,
+                                            runtime_fields={**inst.record(), "vllm_engine": ispec.engine})
+        save_cluster(state)
+    wait_instances_healthy(started, spec.timeout_s, t0, progress, spec.name)
+    return state
 
 
 def _remove_if_empty(directory: Path) -> None:
@@ -355,11 +399,12 @@ class ClusterStatus:
     state: ClusterState
     instances: dict[str, InstanceHealth]
     endpoint_healthy: bool | None = None  # the router's /health; None without an endpoint
+    lmcache: dict[str, InstanceHealth] = field(default_factory=dict)  # its LMCache servers' /healthcheck
 
     @property
     def healthy(self) -> bool:
         return (bool(self.instances) and all(i.healthy for i in self.instances.values())
-                and self.endpoint_healthy is not False)
+                and all(h.healthy for h in self.lmcache.values()) and self.endpoint_healthy is not False)
 
     def to_json(self) -> dict[str, Any]:
         data = self.state.to_json()
@@ -368,6 +413,9 @@ class ClusterStatus:
             data["endpoint_healthy"] = self.endpoint_healthy
         for role, h in self.instances.items():
             data["instances"][role].update(running=h.running, healthy=h.healthy, detail=h.detail)
+        for name, h in self.lmcache.items():
+            data["lmcache"][name] = {**data["lmcache"][name], "running": h.running, "healthy": h.healthy,
+                                     "detail": h.detail}
         return data
 
 
@@ -385,7 +433,12 @@ def cluster_status(name: str) -> ClusterStatus:
             ok = st.running and (st.healthy if st.healthy is not None else answers_health(client, inst.url))
             health[role] = InstanceHealth(role, st.running, ok, st.detail)
         endpoint_ok = answers_health(client, state.endpoint) if state.endpoint else None
-    return ClusterStatus(state, health, endpoint_ok)
+        lmcache = {}
+        for server, rec in state.lmcache.items():
+            st = server_instance(rec).status()
+            lmcache[server] = InstanceHealth("lmcache", st.running,
+                                             st.running and answers_healthcheck(client, rec["url"]), st.detail)
+    return ClusterStatus(state, health, endpoint_ok, lmcache)
 
 
 @dataclass
@@ -412,7 +465,8 @@ def all_cluster_status() -> tuple[list[ClusterStatus], list[DamagedCluster]]:
 
 
 def instance(name: str, instance_name: str) -> Instance:
-    """Instance `instance_name` of cluster `name` (for logs), or its router (`router`).
+    """Instance `instance_name` of cluster `name` (for logs), its router (`router`), or one of its
+    LMCache servers (by name, e.g. `lmcache-prefill`; `lmcache` when it has one).
 
     A role (`prefill`, `decode`) names the role's only instance, so it works
     on pools of one too, and `prefill-0`/`decode-0` name a 1P1D's `prefill`/
@@ -422,7 +476,11 @@ def instance(name: str, instance_name: str) -> Instance:
     state = load_cluster(name)
     if instance_name == "router" and state.router is not None and "router" not in state.instances:
         return router_instance(state.router)
-    names = list(state.instances) + (["router"] if state.router is not None else [])
+    lmcache = state.lmcache.get(instance_name) or (  # `lmcache`: the cluster's only LMCache server
+        next(iter(state.lmcache.values())) if instance_name == "lmcache" and len(state.lmcache) == 1 else None)
+    if lmcache is not None and instance_name not in state.instances:
+        return server_instance(lmcache)
+    names = list(state.instances) + (["router"] if state.router is not None else []) + list(state.lmcache)
     key = instance_name
     role, _, index = key.rpartition("-")
     if key not in state.instances and index == "0" and role in state.instances:
@@ -485,7 +543,9 @@ def down(name: str, keep_store: bool = False, grace_s: float = STOP_GRACE_S) -> 
             instances = _attach_all(state)
             if state.router is not None:
                 instances["router"] = router_instance(state.router)
-            report.roles = {n: rec.role for n, rec in state.instances.items()} | {"router": "router"}
+            instances |= {n: server_instance(r) for n, r in state.lmcache.items()}
+            report.roles = ({n: rec.role for n, rec in state.instances.items()} | {"router": "router"}
+                            | {n: "lmcache" for n in state.lmcache})
             report.stopped = _stop_all(instances, grace_s)
             _remove_leftovers(state)
         remove_state(name)

@@ -24,6 +24,7 @@ from connectors.config.topology import LMCACHE_V1_CONNECTOR, named_connectors, t
 from connectors.config.validate import (LMCACHE_V1_ON_CPU, LMCACHE_V1_ON_CPU_FIX, ConfigError,
                                         registered_v0_connectors, validate_kv_transfer_config)
 from kvctl.cluster import nixl
+from kvctl.cluster.lmcache import LMCacheOptions, check_lmcache_options
 from kvctl.cluster.state import DEFAULT_NAME, check_api_key, check_store_keys, cluster_dir, validate_cluster_name
 from kvctl.errors import BadInput
 from kvctl.provision import model_catalog, model_get
@@ -95,6 +96,9 @@ class ClusterSpec:
     # Store keys (first signs): every server signs its entries and serves only signed ones;
     # kept in CLUSTER_DIR/store_key (0600), passed in the servers' environment. (): unkeyed.
     store_keys: tuple[str, ...] = field(default=(), repr=False)
+    # The LMCache servers of the instances whose config names LMCacheMPConnector: one per
+    # instance (P-local) or one shared, their cache size and chunk (kvctl.cluster.lmcache).
+    lmcache: LMCacheOptions = field(default_factory=LMCacheOptions)
 
     def role(self, role: str) -> RoleSpec:
         return {"prefill": self.prefill, "decode": self.decode}[role]
@@ -376,7 +380,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
                     prefill_count: int = 1, decode_count: int = 1, pooled: bool = False,
                     api_key: str | None = None, router_host: str = ROUTER_HOST,
                     router_port: int = 0, transfer: str = nixl.DEFAULT_TRANSFER,
-                    store_keys: Sequence[str] = ()) -> ClusterSpec:
+                    store_keys: Sequence[str] = (), lmcache: LMCacheOptions | None = None) -> ClusterSpec:
     """A validated ClusterSpec with the defaults filled in. Starts nothing.
 
     `prefill_count`/`decode_count` instances of each role (`pooled` names them
@@ -390,6 +394,8 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     config runs NIXL, given or default, gets its own side-channel port.
     `store_keys`: the servers sign entries with the first and serve only entries
     signed with one of them (connectors.store.auth; (): an unkeyed store).
+    `lmcache`: how the LMCache servers run, for configs naming LMCacheMPConnector
+    (default: one per instance that names it, P-local: the seed's shape).
     `router_host`/`router_port`: where the router listens (default 127.0.0.1, a free port).
 
     On the docker runtime every instance is a container (pools included);
@@ -402,9 +408,11 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
     `decode_config`, `prefill_port`, `decode_port`, `timeout`, `runtime`,
     `prefill_engine`, `decode_engine`, `prefill`, `decode` (pool sizes), `gpus`,
     `api_key`, `router_host`, `router_port`, `transfer`, `prefill_env`/`decode_env` (a NIXL
-    side-channel port that is taken: the message names the instance and the port).
+    side-channel port that is taken: the message names the instance and the port),
+    `lmcache_sharing` (and the other `lmcache_*` options).
     """
     validate_cluster_name(name)
+    lmcache = check_lmcache_options(lmcache or LMCacheOptions())
     if api_key is not None:
         check_api_key(api_key)
     check_pool_sizes(prefill_count, decode_count)
@@ -456,7 +464,7 @@ def build_1p1d_spec(*, name: str = DEFAULT_NAME, runtime: str = DEFAULT_RUNTIME,
         worker_cls=worker_cls, timeout_s=timeout_s, docker=docker, router=router,
         router_host=router_host, router_port=router_port,
         prefill_count=prefill_count, decode_count=decode_count, pooled=pooled, api_key=api_key,
-        side_channel_ports=side_ports, store_keys=check_store_keys(store_keys))
+        side_channel_ports=side_ports, store_keys=check_store_keys(store_keys), lmcache=lmcache)
 
 
 def launch_warnings(spec: ClusterSpec) -> list[str]:

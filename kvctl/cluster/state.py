@@ -5,10 +5,13 @@
      "created": ISO-8601 UTC,
      "endpoint": the router's URL (one OpenAI endpoint in front of P and D),
      "router": {"url", "pid", "start_ticks", "command", "log_path"},
+     "lmcache": {NAME: {"serves": [instance names], "sharing", "url", "port", "http_port",
+                        "metrics", "options", "pid", "start_ticks", "command", "log_path"}},
      "instances": {"prefill": {...}, "decode": {...}}}
 
 `endpoint` and `router` are absent when the cluster was launched without its
-router (`router: false` in the spec). `"api_key_required": true` is written when
+router (`router: false` in the spec); `lmcache` when no instance names
+LMCacheMPConnector (kvctl.cluster.lmcache: the LMCache servers kvctl runs for them). `"api_key_required": true` is written when
 the cluster was launched with an API key: its servers and router then require
 `Authorization: Bearer KEY` on /v1/* (/health stays open). The key itself is
 never in cluster.json: it lives in the file `api_key` beside it (mode 0600,
@@ -147,6 +150,7 @@ class ClusterState:
     managed: bool = True  # False: kvctl did not start it (attached); `down` refuses it
     endpoint: str | None = None  # the router URL in front of the instances, if any
     router: dict[str, Any] | None = None  # the router process kvctl started (url, pid, log_path, ...)
+    lmcache: dict[str, dict[str, Any]] = field(default_factory=dict)  # LMCache servers kvctl started, by name
     api_key_required: bool = False  # launched with an API key (the key: the `api_key` file)
     store_signed: bool = False  # its servers sign and check store entries (the keys: the `store_key` file)
 
@@ -161,6 +165,8 @@ class ClusterState:
             data["endpoint"] = self.endpoint
         if self.router is not None:
             data["router"] = self.router
+        if self.lmcache:
+            data["lmcache"] = {n: dict(r) for n, r in self.lmcache.items()}
         if self.api_key_required:
             data["api_key_required"] = True
         if self.store_signed:
@@ -179,6 +185,7 @@ class ClusterState:
                    created=d["created"],
                    instances={r: InstanceRecord.from_json(i) for r, i in d["instances"].items()},
                    managed=managed, endpoint=d.get("endpoint"), router=d.get("router"),
+                   lmcache=dict(d.get("lmcache") or {}),
                    api_key_required=d.get("api_key_required") is True,
                    store_signed=d.get("store_signed") is True)
 

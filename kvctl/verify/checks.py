@@ -5,6 +5,11 @@
     decode_skipped_forward  D logged `skip model forwarding` with this key, and no `redo`
     output_matches_baseline D's tokens equal the baseline's (P with the same max_tokens)
 
+and, for a prefill with an offload child whose evidence kvctl can read (LMCacheMPConnector,
+whose LMCache server kvctl runs: kvctl.cluster.lmcache), one more (OFFLOAD_CHECK):
+
+    offload_logged          P's LMCache server stored or retrieved this prompt's whole chunks
+
 Each check returns a CheckResult with its evidence (a log line, a file, a
 token diff); none raises for a failed check. Nothing here talks to a server.
 
@@ -35,6 +40,7 @@ from kvctl.client import ChatResult
 from kvctl.verify import markers
 
 CHECKS = ("kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline")
+OFFLOAD_CHECK = "offload_logged"  # only on requests whose prefill has an offload child with a readable log
 ERROR_CHECK = "request_completed"  # the check a request that raised fails (HTTP error, dead server)
 BASELINE_KIND = "prefill instance, full generation"
 COMPARE_EXACT = "exact"  # D's tokens equal the baseline's (the CPU default: both are deterministic)
@@ -283,6 +289,39 @@ def check_output_matches_baseline(decode: ChatResult, baseline: ChatResult, comp
                                     f"decode {_quote(decode.text)}; baseline {_quote(baseline.text)}")
 
 
+def offload_tokens(text: str) -> tuple[int, int]:
+    """(stored, retrieved) tokens an LMCache server's log text reports."""
+    lines = markers.lmcache_lines(text)
+    return (sum(x.tokens for x in lines if x.what == markers.LMCACHE_STORED),
+            sum(x.tokens for x in lines if x.what == markers.LMCACHE_RETRIEVED))
+
+
+def check_offload_logged(text: str, prompt_tokens: int, chunk_size: int, child: str, server: str,
+                         server_down: str = "") -> CheckResult:
+    """P's offload child holds this prompt after the request: its LMCache server logged `Stored` or
+    `Retrieved` lines covering the prompt's whole chunks in `text` (its log since the request).
+
+    LMCache's lines name no request: they are counted by delta (so requests must not overlap on
+    one server). A prompt shorter than one chunk has nothing to store (passed, said so).
+    `server_down`: why the server cannot be reached (then the check fails naming the child).
+    """
+    name = OFFLOAD_CHECK
+    who = f"P's offload child {child} (LMCache server {server})"
+    whole = prompt_tokens // chunk_size * chunk_size if chunk_size > 0 else 0
+    stored, retrieved = offload_tokens(text)
+    shown = " | ".join(x.line for x in markers.lmcache_lines(text)[-3:])
+    if server_down:
+        return CheckResult(name, False, f"{who} failed: {server_down}; P served the request without it "
+                                        f"(stored {stored}, retrieved {retrieved} tokens since the request)")
+    if whole == 0:
+        return CheckResult(name, True, f"{who}: nothing to store, {prompt_tokens} tokens are less than one "
+                                       f"{chunk_size}-token chunk (LMCache keeps whole chunks only)")
+    if stored + retrieved >= whole:
+        return CheckResult(name, True, f"{who}: stored {stored}, retrieved {retrieved} of {whole} tokens "
+                                       f"in whole chunks (counted by delta: its lines name no request): {shown}")
+    return CheckResult(name, False, f"{who} stored {stored} and retrieved {retrieved} tokens since the request, "
+                                    f"not the prompt's {whole} tokens in whole {chunk_size}-token chunks"
+                                    + (f": {shown}" if shown else ": no `Stored`/`Retrieved` line in its log"))
 @dataclass(frozen=True)
 class NearTie:
     """The baseline's two best candidates at a divergence, and whether they explain it."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from connectors.config.topology import LMCACHE_MP_CONNECTOR, named_connectors
 from kvctl.cluster.state import COMMAND_PREFIX, ClusterState, cluster_api_key, cluster_store_keys, load_cluster
 from kvctl.errors import BadInput
 from kvctl.paths import kvctl_home
@@ -32,6 +33,23 @@ STORE_NOT_VISIBLE = "the store is not visible from this host (attached without a
 
 
 @dataclass(frozen=True)
+class OffloadInfo:
+    """An instance's offload child whose evidence kvctl reads: LMCacheMPConnector and the
+    LMCache server kvctl runs for it (cluster.json's `lmcache`)."""
+
+    connector: str  # the child's kv_connector, e.g. LMCacheMPConnector
+    child: int | None  # its index among the multi connector's children (None: the connector itself)
+    server: str  # the server's name, e.g. lmcache-prefill
+    url: str  # its HTTP base URL (/healthcheck)
+    log_path: Path
+    chunk_size: int
+
+    @property
+    def label(self) -> str:
+        return self.connector if self.child is None else f"{self.connector} (child {self.child})"
+
+
+@dataclass(frozen=True)
 class InstanceInfo:
     role: str
     url: str
@@ -40,6 +58,7 @@ class InstanceInfo:
     name: str = ""  # its key in cluster.json ("prefill", "decode-0", ...); "" means the role
     log_command: str | None = None  # its log is this command's output, captured into log_path
     unobservable: str = ""  # why its log cannot be read ("" when it can)
+    offload: OffloadInfo | None = None  # its LMCache offload child, when kvctl runs its server
 
     @property
     def label(self) -> str:
@@ -103,9 +122,10 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
             log_path, command = Path(need(inst, "log_path", at)), str(source)[len(COMMAND_PREFIX):].strip()
         else:
             log_path = Path(need(inst, "log_path", at))
+        cfg = dict(inst.get("kv_transfer_config") or {})
         return InstanceInfo(role=role, url=str(need(inst, "url", at)), log_path=log_path,
-                            kv_transfer_config=dict(inst.get("kv_transfer_config") or {}), name=key,
-                            log_command=command, unobservable=why)
+                            kv_transfer_config=cfg, name=key, log_command=command, unobservable=why,
+                            offload=_offload(key, cfg, d.get("lmcache") or {}))
 
     def pick(role: str, wanted: str | None) -> str:
         of_role = [k for k, v in instances.items() if isinstance(v, Mapping) and v.get("role", k) == role]
@@ -130,6 +150,18 @@ def cluster_info(state: ClusterState | Mapping[str, Any], *, prefill: str | None
                        decode=instance(d_key), endpoint=d.get("endpoint"), store_unobservable=store_why,
                        instances=all_infos, api_key=cluster_api_key(name), managed=managed,
                        store_keys=cluster_store_keys(name) if store_path is not None else None)
+
+
+def _offload(instance: str, cfg: dict, servers: Mapping[str, Any]) -> OffloadInfo | None:
+    """The LMCache server (cluster.json `lmcache`) serving `instance`'s LMCacheMPConnector, if any."""
+    found = named_connectors(cfg, LMCACHE_MP_CONNECTOR)
+    rec = next((r for r in servers.values() if isinstance(r, Mapping) and instance in (r.get("serves") or ())),
+               None)
+    if not found or rec is None:
+        return None
+    return OffloadInfo(connector=LMCACHE_MP_CONNECTOR, child=found[0][0], server=str(rec.get("name")),
+                       url=str(rec.get("url")), log_path=Path(rec["log_path"]),
+                       chunk_size=int((rec.get("options") or {}).get("chunk_size") or 0))
 
 
 def load_cluster_info(name: str, *, prefill: str | None = None, decode: str | None = None) -> ClusterInfo:

@@ -13,6 +13,7 @@ from typing import Callable, TypeVar
 from connectors import log_lines as ll
 
 # The phrases verify's evidence quotes.
+LMCACHE_STORED, LMCACHE_RETRIEVED = ll.LMCACHE_STORED, ll.LMCACHE_RETRIEVED
 KV_SEND = ll.KV_SEND_PHRASE
 SKIP_FORWARD = ll.SKIP_PHRASE
 REDO_FORWARD = ll.REDO_PHRASE
@@ -190,3 +191,26 @@ def kv_loads(text: str) -> list[KVLoadLine]:
 def received_requests(text: str) -> list[str]:
     """Request ids from vLLM's `Received request <id>: prompt: ...` lines."""
     return _scan(text, ll.RECEIVED_RE, lambda m, _line: m["id"])
+
+
+@dataclass(frozen=True)
+class LMCacheLine:
+    """LMCache's server stored or retrieved `tokens` (whole chunks) for some request (unnamed)."""
+
+    what: str  # LMCACHE_STORED | LMCACHE_RETRIEVED
+    tokens: int
+    seconds: float
+    line: str
+
+
+_SOURCE_TAG = re.compile(r"\s*\([\w.]+\.py:\d+:[\w.]+\)\s*$")  # LMCache's `(file.py:N:module)` suffix
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def lmcache_lines(text: str) -> list[LMCacheLine]:
+    """Every `Stored N tokens` / `Retrieved N tokens` line of an LMCache server's log, in log order
+    (quoted without colours or LMCache's source tag)."""
+    return _scan(text, ll.LMCACHE_RE, lambda m, line: LMCacheLine(
+        what=m["what"], tokens=int(m["tokens"]), seconds=float(m["seconds"]),
+        line=_SOURCE_TAG.sub("", _ANSI.sub("", line)).strip()))
+

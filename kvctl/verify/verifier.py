@@ -47,9 +47,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import httpx
+
 from connectors.config.topology import handshake_connector, logged_send_children
 from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
+from kvctl.cluster.lmcache import HEALTH_PATH as LMCACHE_HEALTH_PATH
 from kvctl.cluster.state import ClusterState
 from kvctl.errors import BadInput, KvctlError
 from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADER
@@ -63,6 +66,8 @@ from kvctl.verify.checks import (
     COMPARE_TOLERANT,
     DEFAULT_EPSILON,
     ERROR_CHECK,
+    check_offload_logged,
+    offload_tokens,
     CheckResult,
     KeyMatch,
     check_decode_skipped_forward,
@@ -76,7 +81,7 @@ from kvctl.verify.checks import (
     transfer_bytes,
 )
 from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
-from kvctl.verify.log_files import LOG_WAIT_S, LogPool, capturing_logs, poll
+from kvctl.verify.log_files import LOG_WAIT_S, LogFile, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
 from kvctl.verify.report import (
     FROM_DIRECT,
@@ -231,6 +236,30 @@ class ClusterVerifier:
                                                       self.info.store_keys))
         return PrefillOutcome(tokens, result, match, kv_send, store_entry)
 
+    def offload_offsets(self) -> dict[str, int]:
+        """Where each prefill's offload log (its LMCache server's) ends now, by instance."""
+        return {i.label: LogFile(i.offload.log_path).offset() for i in self.p_log.instances if i.offload}
+
+    def offload_evidence(self, prompt_tokens: int, starts: dict[str, int], instance: str | None = None
+                         ) -> CheckResult | None:
+        """The offload child's check for one request (None when P has no offload child kvctl reads):
+        what P's LMCache server logged since `starts`, for `instance` (None: the first P with one)."""
+        infos = [i for i in self.p_log.instances if i.offload and (instance is None or i.label == instance)]
+        if not infos:
+            return None
+        inst = infos[0]
+        off = inst.offload
+        assert off is not None
+        whole = prompt_tokens // off.chunk_size * off.chunk_size if off.chunk_size else 0
+
+        def enough(text: str) -> bool:
+            return sum(offload_tokens(text)) >= whole
+
+        text = poll(lambda: LogFile(off.log_path).read_from(starts.get(inst.label, 0)), enough,
+                    self.log_wait_s if whole else 0)
+        down = "" if enough(text) else _server_down(off.url)
+        return check_offload_logged(text, prompt_tokens, off.chunk_size, off.label, off.server, down)
+
     def run_decode(self, prompt: str, key: str, max_tokens: int,
                    key_unknown: str = "", request_id: str = "") -> tuple[ChatResult, CheckResult, str]:
         """D with max_tokens; returns its result, the skip check and D's new log text.
@@ -339,13 +368,15 @@ class ClusterVerifier:
             return self.verify_prompt_nixl(prompt, max_tokens, stage)
         request_id = new_request_id()
         stage("prefill")
+        o_start = self.offload_offsets()
         pre = self.run_prefill(prompt, request_id)
+        offload = self.offload_evidence(len(pre.tokens), o_start, self.info.prefill.label)
         stage("decode")
         key_unknown = "" if pre.match is not None or self.p_log.complete else self._p_unseen()
         dec, skip_check, d_text = self.run_decode(prompt, pre.key, max_tokens, key_unknown, request_id)
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
-        report = self._report(prompt, pre, dec, skip_check, d_text, base)
+        report = self._report(prompt, pre, dec, skip_check, d_text, base, offload)
         report.request_id, report.instances_from = request_id, FROM_DIRECT
         report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
         return report
@@ -365,6 +396,7 @@ class ClusterVerifier:
         stage("endpoint")
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
+        o_start = self.offload_offsets()
         sent_id = new_request_id()
         dec = self.endpoint.chat(messages, max_tokens=max_tokens, headers=_id_header(sent_id))
         answered_at = time.time()  # the router asked P, then D: D looked the entry up before this
@@ -384,12 +416,13 @@ class ClusterVerifier:
             report.instances_from = FROM_HEADERS if not (p_note or d_note) else ""
             return report
         pre = self.prefill_evidence(tokens, dec, p_off, p_log)
+        offload = self.offload_evidence(len(tokens), o_start, p_name)
         key_unknown = "" if pre.match is not None or p_log.complete else self._p_unseen(p_log)
         skip_check, d_text = self.decode_evidence(pre.key, d_off, key_unknown, d_log, asked_at=answered_at,
                                                   asked="answered")
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
-        report = self._report(prompt, pre, dec, skip_check, d_text, base)
+        report = self._report(prompt, pre, dec, skip_check, d_text, base, offload)
         if p_name is None and pre.match is not None and pre.match.send is not None:
             p_name = p_log.holder(p_off, pre.match.send.line)
         if d_name is None and pre.key:
@@ -408,19 +441,29 @@ class ClusterVerifier:
         return report
 
     def _report(self, prompt: str, pre: PrefillOutcome, dec: ChatResult, skip_check: CheckResult, d_text: str,
-                base: ChatResult) -> RequestReport:
+                base: ChatResult, offload: CheckResult | None = None) -> RequestReport:
         skip = next((s for s in markers.skip_forwards(d_text) if pre.key and pre.key in s.keys), None)
         send = pre.match.send if pre.match else None
         return RequestReport(
             prompt=prompt, prompt_tokens=len(pre.tokens), key=pre.key,
             checks=[pre.kv_send, pre.store_entry, skip_check,
-                    check_output_matches_baseline(dec, base, self.compare, self.epsilon)],
+                    check_output_matches_baseline(dec, base, self.compare, self.epsilon),
+                    *([offload] if offload is not None else [])],
             decode_output=dec.text, baseline_output=base.text,
             prefill_latency_s=pre.result.latency_s, decode_latency_s=dec.latency_s,
             baseline_latency_s=base.latency_s,
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None)
+
+
+def _server_down(url: str) -> str:
+    """Why the LMCache server at `url` does not serve ("" when its /healthcheck answers 200)."""
+    try:
+        code = httpx.get(f"{url}{LMCACHE_HEALTH_PATH}", timeout=2.0).status_code
+    except httpx.HTTPError as e:
+        return f"its server at {url} does not answer ({type(e).__name__})"
+    return "" if code == 200 else f"its server at {url} answers {LMCACHE_HEALTH_PATH} with {code}"
 
 
 def _split_latency(answer: ChatResult) -> tuple[float | None, float]:

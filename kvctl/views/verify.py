@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from kvctl.verify.checks import CHECKS, CheckResult
+from kvctl.verify.checks import CHECKS, OFFLOAD_CHECK, CheckResult
 from kvctl.verify.evals import EvalReport
 from kvctl.verify.load_mode import LoadReport
 from kvctl.verify.report import FROM_HEADERS, FROM_LOGS, REQUIRE_OBSERVABLE, VerifyReport
@@ -19,7 +19,7 @@ from kvctl.verify.verifier import Progress as RequestProgress
 from kvctl.views.output import Output
 
 # Short column headers keep the table within 80 columns; the caption spells them out.
-_SHORT = dict(zip(CHECKS, ("send", "store", "skip", "match"), strict=True))
+_SHORT = {**dict(zip(CHECKS, ("send", "store", "skip", "match"), strict=True)), OFFLOAD_CHECK: "offload"}
 
 
 @contextlib.contextmanager
@@ -94,14 +94,16 @@ def render_instances(report: VerifyReport, console: Console) -> None:
 
 def render_verify_report(report: VerifyReport, console: Console) -> None:
     """The request x check table, then the evidence of every failed check and the unobservable ones."""
-    legend = "  ".join(f"{short}={name}" for name, short in _SHORT.items())
+    # the offload child's column only when a request has its check (a prefill with LMCache)
+    shown = list(CHECKS) + ([OFFLOAD_CHECK] if any(r.check(OFFLOAD_CHECK) for r in report.requests) else [])
+    legend = "  ".join(f"{_SHORT[name]}={name}" for name in shown)
     table = Table(title=f"kvctl verify: cluster {report.cluster}", title_justify="left",
                   caption=legend, caption_justify="left", box=box.SIMPLE_HEAD,
                   collapse_padding=True, pad_edge=False)
     table.add_column("#", justify="right")
     table.add_column("tokens", justify="right")
     table.add_column("key", min_width=8, no_wrap=True)
-    for check in CHECKS:
+    for check in shown:
         table.add_column(_SHORT.get(check, check), justify="center")
     table.add_column("P s", justify="right")
     table.add_column("D s", justify="right")
@@ -113,7 +115,7 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
         legend += "  P->D=prefill-N, decode-M that served it"
         table.caption = legend
     for i, r in enumerate(report.requests):
-        marks = [_mark(r.check(n)) for n in CHECKS]
+        marks = [_mark(r.check(n)) for n in shown]
         served = ((f"{_short(r.prefill_instance, 'prefill')}->{_short(r.decode_instance, 'decode')}",)
                   if routed else ())
         table.add_row(str(i + 1), str(r.prompt_tokens), r.key[:8] or "-", *marks,
