@@ -65,6 +65,7 @@ from kvctl.runtime.base import (
     last_log_line,
     read_log_tail,
 )
+from kvctl.cluster.lmcache import READY_S as LMCACHE_READY_S
 from kvctl.cluster.lmcache_process import (answers_healthcheck, lmcache_python, plan_for_launch, server_instance,
                                            start_server, wait_servers_ready)
 from kvctl.cluster.router_process import router_instance, start_router
@@ -315,7 +316,8 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
                 for server in servers:
                     state.lmcache[server.name] = start_server(server, python, cdir)
                     save_cluster(state)  # at once: `kvctl down` must find it if we die
-                wait_servers_ready(state.lmcache)
+                ready = wait_servers_ready(state.lmcache, min(LMCACHE_READY_S, spec.timeout_s))
+                log.info("LMCache servers ready: %s", ", ".join(f"{n} {s:.1f} s" for n, s in ready.items()))
             for iname, ispec in ispecs.items():
                 inst = runtime.start(ispec)
                 started[iname] = inst

@@ -125,8 +125,9 @@ def given_port(kv_transfer_config: object) -> int | None:
     return None
 
 
-def point_at_server(kv_transfer_config: dict, port: int) -> dict:
-    """A copy of the config whose every LMCacheMPConnector talks to the server at 127.0.0.1:`port`."""
+def point_at_server(kv_transfer_config: dict, port: int, host: str = MP_HOST) -> dict:
+    """A copy of the config whose every LMCacheMPConnector talks to the server at `host`:`port`
+    (default tcp://127.0.0.1)."""
     cfg = copy.deepcopy(kv_transfer_config)
     targets = [cfg] if cfg.get("kv_connector") == LMCACHE_MP_CONNECTOR else [
         c for c in (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
@@ -134,7 +135,7 @@ def point_at_server(kv_transfer_config: dict, port: int) -> dict:
     for target in targets:
         extra = target.get("kv_connector_extra_config")
         target["kv_connector_extra_config"] = {**(extra if isinstance(extra, dict) else {}),
-                                               "lmcache.mp.host": MP_HOST, "lmcache.mp.port": port}
+                                               "lmcache.mp.host": host, "lmcache.mp.port": port}
     return cfg
 
 
@@ -157,10 +158,10 @@ def server_name(instance: str, sharing: str) -> str:
     return "lmcache" if sharing == "shared" else f"lmcache-{instance}"
 
 
-def server_args(server: LMCacheServer) -> list[str]:
-    """`lmcache server` arguments for `server` (LMCache 0.5.6's flags)."""
+def server_args(server: LMCacheServer, host: str = HOST) -> list[str]:
+    """`lmcache server` arguments for `server` (LMCache 0.5.6's flags), both ports bound to `host`."""
     o = server.options
-    return ["server", "--host", HOST, "--port", str(server.port),
+    return ["server", "--host", host, "--port", str(server.port),
             "--chunk-size", str(o.chunk_size), "--l1-size-gb", f"{o.l1_size_gb:g}",
             "--eviction-policy", o.eviction_policy, "--supported-transfer-mode", TRANSFER_MODE,
-            "--http-host", HOST, "--http-port", str(server.http_port)]
+            "--http-host", host, "--http-port", str(server.http_port)]

@@ -75,12 +75,13 @@ def plan_servers(configs: Mapping[str, object], options: LMCacheOptions,
             raise BadInput(f"the instances sharing {name} name different lmcache.mp.port values "
                            f"({', '.join(map(str, sorted(ports)))})", field="lmcache_port",
                            fix="give them one port, or leave lmcache.mp.port out for a free one")
-        port = ports.pop() if ports else next(free)
+        given = bool(ports)
+        port = ports.pop() if given else next(free)
         if port in taken:
             raise BadInput(f"two LMCache servers cannot both use port {port}", field="lmcache_port",
                            fix="leave lmcache.mp.port out of the configs (each server then gets a free "
                                "one), or use lmcache sharing `shared` for one server")
-        if not ports:  # a given port: checked before anything starts
+        if given:  # a port the config names: checked before anything starts
             check_port_free(port, "lmcache_port", HOST)
         taken.add(port)
         servers.append(LMCacheServer(name, tuple(group), port, next(free), options))

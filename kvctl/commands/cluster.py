@@ -17,6 +17,7 @@ from kvctl.cluster import lifecycle
 from kvctl.cluster.parse import parse_env_items, parse_kv_config
 from kvctl.cluster.spec import (DEFAULT_TIMEOUT_S, DEFAULT_WORKER_CLS, ROUTER_HOST, build_1p1d_spec, build_pd_spec,
                                 check_engine)
+from kvctl.cluster.lmcache import CHUNK_SIZE, DEFAULT_SHARING, L1_SIZE_GB, LMCacheOptions
 from kvctl.cluster.state import API_KEY_ENV, DEFAULT_NAME, check_api_key, launch_store_keys
 from kvctl.runtime.base import STORE_KEY_ENVS
 from kvctl.errors import BadInput, ExitCode
@@ -107,6 +108,14 @@ def launch_1p1d_cmd(
     store_key: bool = typer.Option(True, "--store-key/--no-store-key", help=_STORE_KEY_HELP),
     store_key_file: Path | None = typer.Option(None, "--store-key-file", metavar="PATH", show_default=False,
                                                help=_STORE_KEY_FILE_HELP),
+    lmcache_sharing: str = typer.Option(
+        DEFAULT_SHARING, "--lmcache-sharing",
+        help="Configs naming LMCacheMPConnector get an LMCache server kvctl runs: per-instance (one beside "
+             "each such instance, P-local) or shared (one for all of them)."),
+    lmcache_l1_size_gb: float = typer.Option(L1_SIZE_GB, "--lmcache-l1-size-gb",
+                                             help="Each LMCache server's in-memory (L1) cache, GB."),
+    lmcache_chunk_size: int = typer.Option(CHUNK_SIZE, "--lmcache-chunk-size",
+                                           help="Tokens per LMCache chunk (it stores whole chunks)."),
     json_: bool = json_option("Print the cluster state as JSON."),
 ) -> None:
     """Launch one prefill and one decode vLLM server sharing a KV store.
@@ -126,7 +135,8 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
             decode_docker_host: str | None, engine: str, prefill_engine: str | None,
             decode_engine: str | None, router: bool, router_host: str, router_port: int,
             api_key: str | None, store_key: bool, store_key_file: Path | None, json_: bool,
-            transfer: str = "fs",
+            lmcache_sharing: str = DEFAULT_SHARING, lmcache_l1_size_gb: float = L1_SIZE_GB,
+            lmcache_chunk_size: int = CHUNK_SIZE, transfer: str = "fs",
             pools: tuple[int, int] | None = None) -> None:
     """Both launch commands: `pools` (prefill, decode counts) for `launch pd`, None for 1p1d."""
     out = Output(json_mode=json_)
@@ -157,7 +167,9 @@ def _launch(*, name: str, runtime: str, model: Path | None, served_model_name: s
         worker_cls=None if worker_cls in ("auto", "") else worker_cls, docker=docker, router=router,
         prefill_engine=prefill_engine or engine, decode_engine=decode_engine or engine, api_key=api_key,
         router_host=router_host, router_port=router_port, transfer=transfer,
-        store_keys=launch_store_keys(store_key, store_key_file))
+        store_keys=launch_store_keys(store_key, store_key_file),
+        lmcache=LMCacheOptions(sharing=lmcache_sharing, l1_size_gb=lmcache_l1_size_gb,
+                               chunk_size=lmcache_chunk_size))
     render_launch_plan(out, spec, why)
     if traits.host_rigs and "v0" in (spec.prefill.engine, spec.decode.engine):
         ensure_rig(out)

@@ -29,6 +29,17 @@ The Services set `publishNotReadyAddresses`: the router's own /health checks
 decide whether an instance takes requests, and a readiness probe that times
 out under load does not cut the router off from it.
 
+An instance whose config names LMCacheMPConnector (LMCache's multi-process mode, the
+offload child of `v1-seed-replica`) needs an `lmcache server`, rendered as the scenario's
+`lmcache.sharing` says. `per-instance` (the seed's shape): a native sidecar in the
+instance's pod (an init container with `restartPolicy: Always`, Kubernetes 1.29+), so it
+starts first, its startupProbe on /healthcheck holds the vLLM container back until it
+serves, and the connector reaches it on the pod's loopback. `shared`: one Deployment and
+Service `NAME-lmcache` every instance reaches by DNS. LMCache's Kubernetes docs run the
+server per node (a DaemonSet from their operator), because on GPUs the server maps the
+engine's memory through CUDA IPC, which needs the same node; over TCP (the engine-driven
+transfer CPUs use) that constraint is gone, and a sidecar is the per-instance equivalent.
+
 Every vLLM pod mounts the store claim at the transfer store's path (the same
 path in every pod), gets `gpus_per_pod` `nvidia.com/gpu` (requests = limits),
 probes `/health` (startup: up to STARTUP_S for loading the model; readiness;
@@ -52,6 +63,9 @@ import yaml
 from connectors.config.topology import fs_storage_paths, handshake_connector, transfer_store
 from kvctl.attach.file import AttachFile, AttachFileInstance, dump_attach_file
 from kvctl.cluster import nixl
+from kvctl.cluster.lmcache import (HEALTH_PATH as LMCACHE_HEALTH, SERVER_ENV as LMCACHE_ENV,
+                                   SERVER_MODULE as LMCACHE_MODULE, LMCacheOptions, LMCacheServer,
+                                   point_at_server, server_args, uses_lmcache_server)
 from kvctl.errors import BadInput
 from kvctl.runtime.base import ENTRYPOINT_MODULE, InstanceSpec, vllm_server_args, vllm_server_env
 from kvctl.scenario.schema import Scenario, load_scenario
@@ -73,6 +87,8 @@ PROBE_PERIOD_S = 10
 LOCAL_PORTS = {"router": 18000, "prefill": 18100, "decode": 18200}  # port-forward.sh: base + index
 MAX_POOL = 99  # instances per pool (local ports stay distinct)
 ROUTER_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "1Gi"}}
+LMCACHE_PORT = 5555  # the LMCache server's ZMQ port in its pod (LMCache's default)
+LMCACHE_HTTP_PORT = 8080  # its /healthcheck (LMCache's default)
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a namespace (RFC 1123 label)
 _SERVICE_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # NAME prefixes Service names (RFC 1035 label)
 MAX_NAME = 40  # "NAME-prefill-99" and its ReplicaSet's "-HASH" (up to 11 more) stay within 63 characters
@@ -251,9 +267,51 @@ def _service(spec: K8sSpec, name: str, component: str, instance: str | None = No
                      "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}]}}
 
 
+def _lmcache_server(options: LMCacheOptions, name: str = "lmcache") -> LMCacheServer:
+    return LMCacheServer(name, (), LMCACHE_PORT, LMCACHE_HTTP_PORT, options)
+
+
+def _lmcache_container(spec: K8sSpec, options: LMCacheOptions, host: str, name: str = "lmcache") -> dict[str, Any]:
+    """An `lmcache server` container (kvctl.cluster.lmcache's flags), bound to `host`."""
+    probe = {"httpGet": {"path": LMCACHE_HEALTH, "port": "lmcache-http"}, "periodSeconds": 2,
+             "timeoutSeconds": 2}
+    return {"name": name, "image": spec.image, "imagePullPolicy": "IfNotPresent",
+            "command": ["python3", "-m", LMCACHE_MODULE], "args": server_args(_lmcache_server(options), host),
+            "env": [{"name": k, "value": v} for k, v in LMCACHE_ENV.items()],
+            "ports": [{"name": "lmcache-zmq", "containerPort": LMCACHE_PORT, "protocol": "TCP"},
+                      {"name": "lmcache-http", "containerPort": LMCACHE_HTTP_PORT, "protocol": "TCP"}],
+            "startupProbe": {**probe, "failureThreshold": 150}, "livenessProbe": {**probe, "periodSeconds": 30,
+                                                                                   "failureThreshold": 5}}
+
+
+def lmcache_options(scenario: Scenario) -> LMCacheOptions:
+    return LMCacheOptions(**scenario.lmcache.model_dump())
+
+
+def _shared_lmcache(spec: K8sSpec, scenario: Scenario) -> list[dict[str, Any]]:
+    """`lmcache.sharing: shared`: one LMCache server (Deployment + Service NAME-lmcache)."""
+    name = f"{spec.name}-lmcache"
+    container = _lmcache_container(spec, lmcache_options(scenario), "0.0.0.0")
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": _meta(spec, name, "lmcache"),
+               "spec": {"type": "ClusterIP", "selector": _selector(spec, "lmcache"),
+                        "ports": [{"name": "lmcache-zmq", "port": LMCACHE_PORT, "targetPort": "lmcache-zmq"},
+                                  {"name": "lmcache-http", "port": LMCACHE_HTTP_PORT,
+                                   "targetPort": "lmcache-http"}]}}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _meta(spec, name, "lmcache"),
+                  "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                           "selector": {"matchLabels": _selector(spec, "lmcache")},
+                           "template": {"metadata": {"labels": _labels(spec, "lmcache")},
+                                        "spec": {"containers": [container]}}}}
+    return [service, deployment]
+
+
 def _pool(spec: K8sSpec, scenario: Scenario, role: str, config: dict, store_path: str) -> list[dict[str, Any]]:
     """Per instance of `role`: its Service and its one-pod Deployment (see the module docstring)."""
     docs: list[dict[str, Any]] = []
+    sidecar = uses_lmcache_server(config) and scenario.lmcache.sharing == "per-instance"
+    if uses_lmcache_server(config):  # P-local: the pod's loopback; shared: the server's Service
+        host = "tcp://127.0.0.1" if sidecar else f"tcp://{spec.name}-lmcache"
+        config = point_at_server(config, LMCACHE_PORT, host)
     for i in range(getattr(spec, role)):
         container, volumes = _server_container(spec, scenario, role, config, store_path)  # each its own copy
         name, instance = object_name(spec, role, i), instance_name(role, i)
@@ -265,7 +323,11 @@ def _pool(spec: K8sSpec, scenario: Scenario, role: str, config: dict, store_path
                 "selector": {"matchLabels": _selector(spec, role, instance)},
                 "template": {
                     "metadata": {"labels": _labels(spec, role, instance)},
-                    "spec": {"terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes},
+                    "spec": {"terminationGracePeriodSeconds": 60, "containers": [container], "volumes": volumes,
+                             # a native sidecar: started, and serving, before the vLLM container starts
+                             **({"initContainers": [{**_lmcache_container(spec, lmcache_options(scenario),
+                                                                          "127.0.0.1"), "restartPolicy": "Always"}]}
+                                if sidecar else {})},
                 },
             },
         }
@@ -376,6 +438,8 @@ def render_k8s(spec: K8sSpec) -> RenderedDeployment:
         manifests["store-pvc.yaml"] = [_store_claim(spec)]
     for role in ("prefill", "decode"):
         manifests[f"{role}.yaml"] = _pool(spec, scenario, role, raw[role], store_path)
+    if scenario.lmcache.sharing == "shared" and any(uses_lmcache_server(c) for c in raw.values()):
+        manifests["lmcache.yaml"] = _shared_lmcache(spec, scenario)
     manifests["router.yaml"] = _router(spec, handshake)
     notes = []
     if spec.image == DEFAULT_IMAGE:

@@ -58,7 +58,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.config.topology import fs_storage_paths, handshake_connector
+from connectors.config.topology import LMCACHE_MP_CONNECTOR, fs_storage_paths, handshake_connector, named_connectors
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.provision import images
@@ -357,6 +357,17 @@ class DockerRuntime:
         """Each role's engine answers and has the image. Raises BadInput."""
         for role in ROLES:
             self._image(role)
+
+    def check_instance(self, spec: InstanceSpec) -> None:
+        """Raises BadInput (before anything starts) for a config naming LMCacheMPConnector: kvctl
+        runs LMCache servers as local processes beside local instances; a container would have
+        to reach one on the host's loopback (or run it as a sidecar container), which this
+        runtime does not do yet."""
+        if named_connectors(spec.kv_transfer_config, LMCACHE_MP_CONNECTOR):
+            raise BadInput(f"the {spec.instance} config names LMCacheMPConnector, whose LMCache server kvctl "
+                           "runs only beside local (CPU) instances", field=f"{spec.role}_config",
+                           fix="run it on the local runtime (`--runtime local`), or render it for Kubernetes "
+                               "(`kvctl render k8s`: the server is a sidecar of the instance's pod)")
 
     def command(self, spec: InstanceSpec,
                 image_labels: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:

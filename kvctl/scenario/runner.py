@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.attach.attach import AttachSpec, attach_cluster, detach_cluster, spec_from_file
-from kvctl.cluster.lifecycle import LaunchProgress, down, running_cluster
+from kvctl.cluster.lifecycle import LaunchProgress, down, restart_instances, running_cluster
+from kvctl.cluster.lmcache import LMCacheOptions
 from kvctl.signals import signals_interrupt
 from kvctl.cluster.spec import ClusterSpec, build_1p1d_spec, build_pd_spec
 from kvctl.cluster.state import ATTACHED_RUNTIME, ClusterState, cluster_dir
@@ -57,11 +58,13 @@ from kvctl.verify.junit import add_case, finish, new_tree, verify_junit, write_j
 from kvctl.verify.prompts import check_prompts
 from kvctl.verify.report import REQUIRE_OBSERVABLE, VerifyReport
 from kvctl.verify.evals import EvalReport, load_eval, score_report
+from kvctl.verify.checks import offload_tokens
 from kvctl.verify.verifier import RunOptions, expected_send_children, run_verify
 
 log = logging.getLogger(__name__)
 
 PHASES = ("launch", "verify", "inspect", "down")
+SECOND_ROUND = "second_round"  # a phase of scenarios with `second_round`, after verify
 KEPT_ROOT = "scenario-runs"  # under $KVCTL_HOME: what `keep` keeps (store and logs)
 
 
@@ -122,6 +125,7 @@ class ScenarioReport:
     phases: dict[str, PhaseResult] = field(default_factory=lambda: {p: PhaseResult(p) for p in PHASES})
     verify: VerifyReport | None = None
     eval: EvalReport | None = None  # the `eval:` block's accuracy gate
+    second_round: SecondRoundReport | None = None  # scenarios with `second_round` (its own phase)
     store: StoreReport | None = None
     error: KvctlError | None = None  # what stopped the run early (launch or verify), if anything
     interrupted: bool = False
@@ -133,9 +137,7 @@ class ScenarioReport:
         """(request index, check name, evidence) of every expected check that failed."""
         if self.verify is None:
             return []
-        allowed = self.verify.require == REQUIRE_OBSERVABLE  # then a check not observable is no failure
-        return [(i, c.name, c.evidence) for i, r in enumerate(self.verify.requests) for c in r.checks
-                if c.name in self.expected_checks and not c.passed and (c.observable or not allowed)]
+        return _failed(self.verify, self.expected_checks)
 
     @property
     def engine(self) -> str | None:
@@ -168,10 +170,56 @@ class ScenarioReport:
             "phases": [p.to_json() for p in self.phases.values()],
             "verify": self.verify.to_json() if self.verify else None,
             "eval": self.eval.to_json() if self.eval else None,
+            **({"second_round": self.second_round.to_json()} if self.second_round else {}),
             "store": self.store.to_json() if self.store else None,
             "error": self.error.to_json() if self.error else None,
             "kept": self.kept, "wall_s": round(self.wall_s, 3),
         }
+
+
+def _failed(verify: VerifyReport, expected: list[str]) -> list[tuple[int, str, str]]:
+    """(request index, check name, evidence) of every expected check of `verify` that failed."""
+    allowed = verify.require == REQUIRE_OBSERVABLE  # then a check not observable is no failure
+    return [(i, c.name, c.evidence) for i, r in enumerate(verify.requests) for c in r.checks
+            if c.name in expected and not c.passed and (c.observable or not allowed)]
+
+
+@dataclass
+class SecondRoundReport:
+    """The prompts verified again after restarting instances: what changed, measured.
+
+    `retrieved`/`stored`: tokens the prefills' LMCache servers logged as retrieved and stored,
+    before and after this round (their logs' totals); `ttft`: each prompt's prefill latency
+    (P's time to its first token) in the first round and in this one.
+    """
+
+    restarted: list[str]
+    restart_s: float
+    verify: VerifyReport
+    retrieved: tuple[int, int]  # (before, after) this round
+    stored: tuple[int, int]
+    ttft: list[tuple[int, float | None, float | None]]  # (prompt tokens, round 1 s, round 2 s)
+    outputs_unchanged: bool
+
+    @property
+    def retrieved_rose(self) -> bool:
+        return self.retrieved[1] > self.retrieved[0]
+
+    def to_json(self) -> dict[str, Any]:
+        pairs = [(a, b) for _, a, b in self.ttft if a and b]
+        return {"restarted": self.restarted, "restart_s": round(self.restart_s, 3),
+                "passed": self.verify.passed, "outputs_unchanged": self.outputs_unchanged,
+                "lmcache": {"retrieved_tokens": {"before": self.retrieved[0], "after": self.retrieved[1]},
+                            "stored_tokens": {"before": self.stored[0], "after": self.stored[1]},
+                            "retrieved_rose": self.retrieved_rose},
+                "ttft": [{"prompt_tokens": n, "first_round_s": _r(a), "second_round_s": _r(b),
+                          "ratio": _r(b / a) if a and b else None} for n, a, b in self.ttft],
+                "ttft_ratio_total": _r(sum(b for _, b in pairs) / sum(a for a, _ in pairs)) if pairs else None,
+                "verify": self.verify.to_json()}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 4)
 
 
 # ---------------------------------------------------------------- plan
@@ -281,7 +329,8 @@ def _plan(scenario: Scenario, keep: bool, source: str | None) -> ScenarioPlan:
         prefill_env=scenario.role("prefill").env, decode_env=scenario.role("decode").env,
         docker=_docker_options(scenario) if runtime_class(runtime).docker_options else None,
         prefill_engine=scenario.role("prefill").engine or scenario.engine,
-        decode_engine=scenario.role("decode").engine or scenario.engine)
+        decode_engine=scenario.role("decode").engine or scenario.engine,
+        lmcache=LMCacheOptions(**scenario.lmcache.model_dump()))
     counts = {role: scenario.role(role).count for role in ("prefill", "decode")}
     if any(n > 1 for n in counts.values()):  # xPyD: instances named prefill-0, ..., decode-0, ...
         spec = build_pd_spec(prefill=counts["prefill"], decode=counts["decode"], **options)
@@ -384,22 +433,77 @@ def _down(plan: ScenarioPlan, stack: contextlib.ExitStack | None) -> None:
         down(plan.cluster)  # after a failed launch: its logs and dirs
 
 
+def _verdict(verify: VerifyReport, expected: list[str]) -> str:
+    """Why a verify failed ("" when it passed)."""
+    failed = _failed(verify, expected)
+    never = verify.run_failures()  # a pool member that served no request
+    why = [f"{len(failed)} failed checks: {', '.join(sorted({n for _, n, _ in failed}))}"] if failed else []
+    return "; ".join(why + [f"{f.instance} never served" for f in never])
+
+
+def _offload_totals(state: ClusterState) -> tuple[int, int]:
+    """(retrieved, stored) tokens over the logs of the cluster's LMCache servers."""
+    totals = [0, 0]
+    for rec in state.lmcache.values():
+        try:
+            text = Path(rec["log_path"]).read_text(errors="replace")
+        except OSError:
+            continue
+        stored, retrieved = offload_tokens(text)
+        totals[0] += retrieved
+        totals[1] += stored
+    return totals[0], totals[1]
+
+
+def _second_round(state: ClusterState, plan: ScenarioPlan, report: ScenarioReport,
+                  progress: ScenarioProgress) -> tuple[ClusterState, SecondRoundReport]:
+    """Restart the instances of the roles `second_round.restart` names, then verify again."""
+    assert plan.spec is not None and plan.scenario.second_round is not None and report.verify is not None
+    roles = plan.scenario.second_round.restart
+    names = [n for n, rec in state.instances.items() if rec.role in roles]
+    before = _offload_totals(state)
+    t0 = time.monotonic()
+    state = restart_instances(plan.spec, names, progress.launch)
+    restart_s = time.monotonic() - t0
+    verify = _verify(state, plan, progress)
+    after = _offload_totals(state)
+    first = report.verify.requests
+    ttft = [(b.prompt_tokens, a.prefill_latency_s, b.prefill_latency_s) for a, b in zip(first, verify.requests)]
+    unchanged = len(first) == len(verify.requests) and all(
+        a.decode_output == b.decode_output and a.baseline_output == b.baseline_output
+        for a, b in zip(first, verify.requests))
+    return state, SecondRoundReport(names, restart_s, verify, (before[0], after[0]), (before[1], after[1]),
+                                    ttft, unchanged)
+
+
 def _verify_and_inspect(state: ClusterState, plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
                         progress: ScenarioProgress) -> None:
     with phases.run("verify") as phase:
         report.verify = _verify(state, plan, progress)
-        failed = report.failed_checks()
-        never = report.verify.run_failures()  # a pool member that served no request
-        if failed or never:
-            names = sorted({name for _, name, _ in failed})
-            why = [f"{len(failed)} failed checks: {', '.join(names)}"] if failed else []
-            why += [f"{f.instance} never served" for f in never]
-            phase.status, phase.detail = "failed", "; ".join(why)
+        why = _verdict(report.verify, report.expected_checks)
+        if why:
+            phase.status, phase.detail = "failed", why
         if plan.scenario.eval is not None:
             report.eval = _eval(state, plan, progress)
             if not report.eval.passed:
                 phase.status = "failed"
                 phase.detail = "; ".join(filter(None, [phase.detail, report.eval.verdict()]))
+    if plan.scenario.second_round is not None and plan.spec is not None:
+        with phases.run(SECOND_ROUND) as phase:
+            state, report.second_round = _second_round(state, plan, report, progress)
+            rnd = report.second_round
+            why = _verdict(rnd.verify, report.expected_checks)
+            problems = [why] if why else []
+            if not rnd.outputs_unchanged:
+                problems.append("outputs differ from the first round's")
+            if state.lmcache and not rnd.retrieved_rose:
+                problems.append(f"the LMCache servers retrieved nothing more ({rnd.retrieved[0]} tokens before, "
+                                f"{rnd.retrieved[1]} after)")
+            if problems:
+                phase.status, phase.detail = "failed", "; ".join(problems)
+            else:
+                phase.detail = (f"restarted {', '.join(rnd.restarted)} in {rnd.restart_s:.1f} s; LMCache retrieved "
+                                f"{rnd.retrieved[1] - rnd.retrieved[0]} more tokens; outputs unchanged")
     with phases.run("inspect") as phase:
         if state.store is None:  # attached without a visible store
             phase.detail = "not observable: the store is not visible from this host"
@@ -452,6 +556,12 @@ def _run_phases(plan: ScenarioPlan, report: ScenarioReport, phases: _Phases,
                 _down(plan, stack)
 
 
+def _phases(scenario: Scenario) -> tuple[str, ...]:
+    if scenario.second_round is None or scenario.attaches:
+        return PHASES
+    return PHASES[:2] + (SECOND_ROUND,) + PHASES[2:]
+
+
 def run_scenario(scenario: Scenario, progress: ScenarioProgress | None = None, *, keep: bool = False,
                  source: str | None = None) -> ScenarioReport:
     """Launch, verify, inspect the store and tear down; returns the report.
@@ -465,6 +575,7 @@ def run_scenario(scenario: Scenario, progress: ScenarioProgress | None = None, *
     progress = progress or ScenarioProgress()
     plan = plan_scenario(scenario, keep=keep, source=source)
     report = ScenarioReport(scenario=scenario.name, source=source, cluster=plan.cluster,
+                            phases={p: PhaseResult(p) for p in _phases(scenario)},
                             runtime=plan.runtime, runtime_reason=plan.runtime_reason,
                             expected_checks=list(scenario.expectations.checks),
                             engines=None if plan.spec is None else {"prefill": plan.spec.prefill.engine,

@@ -52,6 +52,7 @@ from kvctl.verify.checks import CHECKS
 from kvctl.verify.evals import DEFAULT_TOLERANCE, EVAL_SETS
 
 Role = Literal[ROLES]
+OFFLOAD_CHECK_NAME = "offload_logged"  # kvctl.verify.checks OFFLOAD_CHECK: a prefill with an LMCache server
 
 # Replaced in kv_transfer_config strings at launch, as the server sees them:
 # the shared store dir, and a dir private to the instance (e.g. an offload cache).
@@ -98,6 +99,11 @@ FIELD_PATHS = {
     "compare": "$.expectations.compare",
     "epsilon": "$.expectations.epsilon",
     "eval_tolerance": "$.eval.tolerance",
+    "lmcache_sharing": "$.lmcache.sharing",
+    "lmcache_l1_size_gb": "$.lmcache.l1_size_gb",
+    "lmcache_chunk_size": "$.lmcache.chunk_size",
+    "lmcache_eviction_policy": "$.lmcache.eviction_policy",
+    "lmcache_port": "$.prefill.kv_transfer_config",
 }
 
 
@@ -158,7 +164,7 @@ class RoleSpec(_Strict):
 
 
 class Expectations(_Strict):
-    checks: list[Literal[CHECKS]] = Field(default_factory=lambda: list(CHECKS))
+    checks: list[Literal[CHECKS + (OFFLOAD_CHECK_NAME,)]] = Field(default_factory=lambda: list(CHECKS))
     # `sent to connector <Name>` lines P must log per request; None = derived from P's config.
     sent_to_connectors: list[str] | None = None
     # all: a check whose evidence is not observable (attached: no log source, store not
@@ -175,6 +181,22 @@ class EvalSpec(_Strict):
     set: str = Field(default="basic", min_length=1)  # a built-in eval set, or a JSON file
     tolerance: float = Field(default=DEFAULT_TOLERANCE, ge=0, le=1)  # absolute accuracy P/D may lose
     max_tokens: int | None = Field(default=None, ge=1)  # None: the set's
+
+
+class LMCacheServers(_Strict):
+    """The LMCache servers kvctl runs for configs naming LMCacheMPConnector (kvctl.cluster.lmcache)."""
+
+    sharing: Literal["per-instance", "shared"] = "per-instance"  # one per instance (P-local) | one for all
+    l1_size_gb: float = Field(default=1.0, gt=0)
+    chunk_size: int = Field(default=256, ge=1)
+    eviction_policy: Literal["LRU", "ARC", "IsolatedLRU", "noop"] = "LRU"
+
+
+class SecondRound(_Strict):
+    """Verify the prompts again after restarting these roles' instances (their caches lost, the
+    store and the LMCache servers kept): what LMCache serves a restarted prefill."""
+
+    restart: list[Literal["prefill", "decode"]] = Field(default_factory=lambda: ["prefill"], min_length=1)
 
 
 class ClusterRef(_Strict):
@@ -205,6 +227,8 @@ class Scenario(_Strict):
     expectations: Expectations = Field(default_factory=Expectations)
     eval: EvalSpec | None = None  # the accuracy gate after the prompts
     timeout: float = Field(default=600, gt=0)  # seconds for the cluster to become ready
+    lmcache: LMCacheServers = Field(default_factory=LMCacheServers)
+    second_round: SecondRound | None = None  # a second verify after restarting instances
 
     @field_validator("runtime")
     @classmethod
@@ -307,7 +331,10 @@ _FIXES = {
     "decode.engine": ENGINE_FIX,
     "prompts": 'list strings, or {repeat: "text", times: N} for a long prompt',
     "max_tokens": "use a whole number >= 1",
-    "expectations": f"checks may list: {', '.join(CHECKS)}; sent_to_connectors: connector names",
+    "expectations": f"checks may list: {', '.join(CHECKS + (OFFLOAD_CHECK_NAME,))}; sent_to_connectors: connector names",
+    "lmcache": "sharing: per-instance or shared; l1_size_gb > 0; chunk_size >= 1; eviction_policy: LRU, ARC, "
+               "IsolatedLRU or noop",
+    "second_round": "second_round: {restart: [prefill]} (the roles whose instances restart before it)",
     "timeout": "use a positive number of seconds",
     "store": "use a directory path, or null for a fresh directory per run",
     "cluster": "cluster: {attach: FILE} verifies the running cluster an attach file describes",
@@ -330,6 +357,10 @@ def _known_keys(parent: tuple) -> list[str]:
         model = ClusterRef
     elif parent[:1] == ("eval",):
         model = EvalSpec
+    elif parent[:1] == ("lmcache",):
+        model = LMCacheServers
+    elif parent[:1] == ("second_round",):
+        model = SecondRound
     return list(model.model_fields)
 
 

@@ -62,6 +62,9 @@ def render_launched(out: Output, state: ClusterState) -> None:
     if state.router is not None:
         table.add_row("router", "", state.router["url"], str(state.router["pid"]), *(("",) if gpus else ()),
                       state.router["log_path"])
+    for name, rec in state.lmcache.items():  # LMCache servers: their role names whom they serve
+        table.add_row(name, f"lmcache for {', '.join(rec['serves'])}", rec["url"], str(rec["pid"]),
+                      *(("",) if gpus else ()), rec["log_path"])
     out.stdout.print(table)
     if state.endpoint:
         out.stdout.print(f"endpoint: {state.endpoint}  (OpenAI API: {state.endpoint}/v1)", highlight=False)
@@ -103,6 +106,12 @@ def render_status(out: Output, statuses: list[ClusterStatus], damaged: list[Dama
             state = "[green]healthy[/green]" if st.endpoint_healthy else "[red]not healthy[/red]"
             table.add_row(st.state.name, "router", "", state, router["url"], str(router.get("pid", "")),
                           router.get("log_path", ""))
+        for name, h in st.lmcache.items():  # LMCache servers: healthy while /healthcheck answers
+            rec = st.state.lmcache[name]
+            state = ("[green]healthy[/green]" if h.healthy else
+                     "[yellow]running, not healthy[/yellow]" if h.running else f"[red]down[/red] ({h.detail})")
+            table.add_row(st.state.name, name, f"lmcache for {', '.join(rec['serves'])}", state, rec["url"],
+                          str(rec.get("pid", "")), rec.get("log_path", ""))
     out.stdout.print(table)
 
 

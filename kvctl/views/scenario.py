@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 from typing import Any, ClassVar
 
+from rich import box
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 from kvctl.cluster.lifecycle import LaunchProgress
-from kvctl.scenario.runner import PhaseResult, ScenarioProgress, ScenarioReport
+from kvctl.scenario.runner import PhaseResult, ScenarioProgress, ScenarioReport, SecondRoundReport
 from kvctl.views.cluster import LaunchDisplay
 from kvctl.views.output import Output, human_size
 from kvctl.views.store import render_store_report
@@ -43,6 +45,8 @@ def render_run(report: ScenarioReport, out: Output) -> None:
         render_answers(report.verify, out.stdout)
     if report.eval is not None:
         render_eval(report.eval, out.stdout)
+    if report.second_round is not None:
+        render_second_round(report.second_round, out)
     if report.store is not None:
         render_store_report(report.store, out)
         if not report.store.root.exists():
@@ -52,6 +56,29 @@ def render_run(report: ScenarioReport, out: Output) -> None:
     if report.error is not None:
         out.error(report.error)
     out.stdout.print(verdict(report), highlight=False)
+
+
+def render_second_round(rnd: SecondRoundReport, out: Output) -> None:
+    """The second round's verify table, then what LMCache served and each prompt's TTFT, both rounds."""
+    render_verify_report(rnd.verify, out.stdout)
+    doc = rnd.to_json()
+    table = Table(title=f"second round after restarting {', '.join(rnd.restarted)} ({rnd.restart_s:.1f} s)",
+                  title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("tokens", "P TTFT round 1 s", "P TTFT round 2 s", "ratio"):
+        table.add_column(col, justify="right")
+    for row in doc["ttft"]:
+        table.add_row(str(row["prompt_tokens"]), _s(row["first_round_s"]), _s(row["second_round_s"]),
+                      _s(row["ratio"]))
+    out.stdout.print(table)
+    lm = doc["lmcache"]
+    out.stdout.print(f"LMCache retrieved tokens {lm['retrieved_tokens']['before']} -> {lm['retrieved_tokens']['after']}, "
+                     f"stored {lm['stored_tokens']['before']} -> {lm['stored_tokens']['after']}; outputs "
+                     f"{'unchanged' if rnd.outputs_unchanged else 'CHANGED'}; TTFT round 2 / round 1 (sum): "
+                     f"{_s(doc['ttft_ratio_total'])}", highlight=False)
+
+
+def _s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def verdict(report: ScenarioReport) -> str:

@@ -1,0 +1,172 @@
+"""The LMCache servers of a cluster, without servers: planning their ports and configs, their
+command line, the options' checks, cluster.json, and verify's offload evidence from log text."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from connectors import log_lines as ll
+from kvctl.cluster.lmcache import (LMCacheOptions, check_lmcache_options, point_at_server, server_args,
+                                   uses_lmcache_server)
+from kvctl.cluster.lmcache_process import plan_servers
+from kvctl.cluster.state import ClusterState
+from kvctl.errors import BadInput
+from kvctl.verify.checks import OFFLOAD_CHECK, check_offload_logged
+from kvctl.verify.cluster_info import cluster_info
+from kvctl.verify.markers import lmcache_lines
+
+FS = {"kv_connector": "FSConnector", "kv_role": "kv_producer",
+      "kv_connector_extra_config": {"fs_storage_path": "/s", "transfer": True}}
+
+
+def _p(extra: dict | None = None) -> dict:
+    mp = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}
+    if extra is not None:
+        mp["kv_connector_extra_config"] = extra
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": {"connectors": [FS, mp]}}
+
+
+D = {"kv_connector": "FSConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"fs_storage_path": "/s"}}
+
+
+def _free(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def test_per_instance_servers_one_per_user_with_their_own_ports():
+    configs = {"prefill-0": _p(), "prefill-1": _p(), "decode-0": D}
+    servers = plan_servers(configs, LMCacheOptions(), iter(_free(4)))
+    assert [(s.name, s.serves) for s in servers] == [("lmcache-prefill-0", ("prefill-0",)),
+                                                      ("lmcache-prefill-1", ("prefill-1",))]
+    ports = [p for s in servers for p in (s.port, s.http_port)]
+    assert len(set(ports)) == 4
+    assert not uses_lmcache_server(D)
+
+
+def test_shared_server_serves_every_user():
+    configs = {"prefill-0": _p(), "prefill-1": _p(), "decode-0": D}
+    servers = plan_servers(configs, LMCacheOptions(sharing="shared"), iter(_free(2)))
+    assert [(s.name, s.serves) for s in servers] == [("lmcache", ("prefill-0", "prefill-1"))]
+
+
+def test_a_given_port_is_kept_and_checked_free():
+    port = _free(1)[0]
+    [server] = plan_servers({"prefill": _p({"lmcache.mp.port": port})}, LMCacheOptions(), iter(_free(1)))
+    assert server.port == port
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(BadInput) as e:
+            plan_servers({"prefill": _p({"lmcache.mp.port": busy})}, LMCacheOptions(), iter(_free(1)))
+    assert e.value.fields[0] == "lmcache_port" and str(busy) in e.value.what
+
+
+def test_two_per_instance_servers_cannot_share_a_given_port():
+    port = _free(1)[0]
+    configs = {"prefill-0": _p({"lmcache.mp.port": port}), "prefill-1": _p({"lmcache.mp.port": port})}
+    with pytest.raises(BadInput) as e:
+        plan_servers(configs, LMCacheOptions(), iter(_free(3)))
+    assert e.value.fields[0] == "lmcache_port" and "shared" in (e.value.fix or "")
+
+
+def test_point_at_server_rewrites_only_the_mp_children():
+    cfg = _p({"lmcache.mp.mq_timeout": 30})
+    out = point_at_server(cfg, 5678)
+    extra = out["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    assert extra == {"lmcache.mp.mq_timeout": 30, "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5678}
+    assert out["kv_connector_extra_config"]["connectors"][0] == FS
+    assert "lmcache.mp.port" not in str(cfg)  # the input is not changed
+
+
+def test_server_args_carry_the_cpu_transfer_mode_and_options():
+    [server] = plan_servers({"prefill": _p()}, LMCacheOptions(l1_size_gb=0.5, chunk_size=128), iter(_free(2)))
+    args = server_args(server)
+    flags = dict(zip(args[1::2], args[2::2]))
+    assert args[0] == "server"
+    assert flags["--supported-transfer-mode"] == "auto"
+    assert flags["--l1-size-gb"] == "0.5" and flags["--chunk-size"] == "128" and flags["--eviction-policy"] == "LRU"
+    assert flags["--port"] == str(server.port) and flags["--http-port"] == str(server.http_port)
+    assert flags["--host"] == flags["--http-host"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("options, field", [
+    (LMCacheOptions(sharing="global"), "lmcache_sharing"),
+    (LMCacheOptions(l1_size_gb=0), "lmcache_l1_size_gb"),
+    (LMCacheOptions(chunk_size=0), "lmcache_chunk_size"),
+    (LMCacheOptions(eviction_policy="FIFO"), "lmcache_eviction_policy"),
+])
+def test_bad_options_name_their_field(options, field):
+    with pytest.raises(BadInput) as e:
+        check_lmcache_options(options)
+    assert e.value.fields[0] == field and e.value.fix
+
+
+def _state(tmp_path: Path) -> ClusterState:
+    rec = {"name": "lmcache-prefill", "serves": ["prefill"], "sharing": "per-instance",
+           "url": "http://127.0.0.1:9", "port": 8, "http_port": 9, "options": {"chunk_size": 256},
+           "pid": 1, "start_ticks": None, "command": [], "log_path": str(tmp_path / "lmcache-prefill.log")}
+    inst = {"role": "prefill", "url": "http://127.0.0.1:1", "log_path": str(tmp_path / "p.log"),
+            "kv_transfer_config": point_at_server(_p(), 8), "cwd": str(tmp_path)}
+    return ClusterState.from_json({"name": "c", "runtime": "local", "model": "/m", "served_model_name": "m",
+                                   "store": str(tmp_path), "created": "now", "lmcache": {rec["name"]: rec},
+                                   "instances": {"prefill": inst, "decode": {**inst, "role": "decode",
+                                                                             "kv_transfer_config": D}}})
+
+
+def test_cluster_json_keeps_the_servers_and_verify_finds_the_offload_child(tmp_path):
+    state = _state(tmp_path)
+    again = ClusterState.from_json(state.to_json())
+    assert again.lmcache == state.lmcache and "lmcache" in state.to_json()
+    info = cluster_info(state)
+    off = info.prefill.offload
+    assert off is not None and off.server == "lmcache-prefill" and off.child == 1 and off.chunk_size == 256
+    assert off.label == "LMCacheMPConnector (child 1)"
+    assert info.decode.offload is None
+    no_servers = state.to_json()
+    del no_servers["lmcache"]
+    assert cluster_info(no_servers).prefill.offload is None  # without kvctl's server nothing to read
+
+
+def _lines(*items: tuple[str, int]) -> str:
+    return "".join(f"[2026-12-02 00:02:53,791] LMCache INFO: {what} {n} tokens in 0.012 seconds "
+                   f"(engine_driven_transfer.py:447:lmcache.v1.multiprocess.modules.engine_driven_transfer)\n"
+                   for what, n in items)
+
+
+def test_lmcache_lines_parse_and_drop_the_source_tag():
+    text = _lines(("Stored", 512), ("Retrieved", 1024)) + "LMCache INFO: Stored 256 Q tokens in 0.1 seconds\n"
+    found = lmcache_lines(text)
+    assert [(x.what, x.tokens) for x in found] == [(ll.LMCACHE_STORED, 512), (ll.LMCACHE_RETRIEVED, 1024)]
+    assert found[0].line.endswith("Stored 512 tokens in 0.012 seconds")
+
+
+def test_offload_check_passes_on_stored_or_retrieved_whole_chunks():
+    ok = check_offload_logged(_lines(("Stored", 512)), 543, 256, "LMCacheMPConnector (child 1)", "lmcache-prefill")
+    assert ok.name == OFFLOAD_CHECK and ok.passed and "stored 512, retrieved 0 of 512" in ok.evidence
+    hit = check_offload_logged(_lines(("Retrieved", 1024)), 1235, 256, "X", "s")
+    assert hit.passed and "retrieved 1024" in hit.evidence
+    short = check_offload_logged("", 15, 256, "X", "s")
+    assert short.passed and "less than one 256-token chunk" in short.evidence
+
+
+def test_offload_check_fails_naming_the_child():
+    none = check_offload_logged("", 543, 256, "LMCacheMPConnector (child 1)", "lmcache-prefill")
+    assert not none.passed and "LMCacheMPConnector (child 1)" in none.evidence and "no `Stored`" in none.evidence
+    down = check_offload_logged("", 543, 256, "LMCacheMPConnector (child 1)", "lmcache-prefill",
+                                server_down="its server at http://127.0.0.1:9 does not answer (ConnectError)")
+    assert not down.passed and down.observable
+    assert down.evidence.startswith("P's offload child LMCacheMPConnector (child 1) (LMCache server "
+                                    "lmcache-prefill) failed: its server")
+    part = check_offload_logged(_lines(("Stored", 256)), 543, 256, "X", "s")
+    assert not part.passed and "not the prompt's 512 tokens" in part.evidence
