@@ -43,7 +43,7 @@ rig: venv
 # run their servers from it (about 2.5 minutes and 3.4 GB the first time). Then the
 # extras its connectors need, each a venv layered on it, keyed by its pins (NIXL:
 # about 250 MB, 20 s the first time).
-EXTRAS_V1 := nixl
+EXTRAS_V1 := nixl lmcache
 rig-v1: venv
 	$(KVCTL) rig install --engine v1 $(addprefix --extra ,$(EXTRAS_V1))
 

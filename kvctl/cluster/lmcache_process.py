@@ -26,7 +26,8 @@ from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.net import free_ports
 from kvctl.runtime import get_runtime
 from kvctl.runtime.base import Instance, InstanceSpec, read_log_tail
-from kvctl.runtime.local import engine_python
+from kvctl.provision.extras import LMCACHE, ExtraVenv
+from kvctl.provision.rig import default_spec
 from kvctl.runtime.processes import process_start_ticks
 from kvctl.subprocesses import TAIL_LINES
 
@@ -49,11 +50,16 @@ def plan_for_launch(spec: ClusterSpec, ispecs: Mapping[str, InstanceSpec]
 
 
 def lmcache_python() -> Path:
-    """The interpreter LMCache servers run with: the V1 engine's, whose packages hold lmcache.
+    """The interpreter LMCache servers run with: the lmcache extra's venv (layered on the V1 rig).
 
-    Raises BadInput when that rig is missing or has no lmcache.
+    Raises BadInput when the extra is not installed, with the command that installs it.
     """
-    return engine_python("v1")
+    venv = ExtraVenv(LMCACHE, default_spec(LMCACHE.engine))
+    if venv.unfinished():
+        raise BadInput(f"LMCacheMPConnector needs an LMCache server, and the extra {LMCACHE.name!r} "
+                       f"({LMCACHE.summary}) is not installed", where=str(venv.dir),
+                       fix=f"run `{venv.install_command()}` (once; it keeps the steps done)")
+    return venv.python
 
 
 def plan_servers(configs: Mapping[str, object], options: LMCacheOptions,

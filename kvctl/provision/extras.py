@@ -126,7 +126,37 @@ NIXL = Extra(
     connectors=("NixlConnector", "NixlPullConnector", "NixlPushConnector"),
     verify=_NIXL_VERIFY, verify_env=(("UCX_TLS", UCX_TLS),))
 
-EXTRAS: dict[str, Extra] = {e.name: e for e in (NIXL,)}
+# The server's and the connector's modules import (the connector's pulls in vLLM: ~15 s).
+_LMCACHE_VERIFY = r"""
+import json
+r = {"ok": False, "problem": ""}
+try:
+    import importlib.metadata as md
+    import aiofile, sortedcontainers, opentelemetry.exporter.prometheus
+    import lmcache.cli.main, lmcache.v1.multiprocess.server
+    from lmcache.integration.vllm.lmcache_mp_connector import LMCacheMPConnector
+    r["lmcache"] = md.version("lmcache")
+    r["ok"] = True
+except Exception as e:
+    r["problem"] = f"{type(e).__name__}: {e}"
+print("KVCTL_VERIFY " + json.dumps(r))
+"""
+
+LMCACHE = Extra(
+    name="lmcache", engine="v1",
+    summary="LMCache 0.5.6 for LMCacheMPConnector and its `lmcache server` (multi-process mode)",
+    # A full resolve cannot satisfy the rig (numpy<=2.2.6 against its 2.3.5) and would touch 46
+    # packages (protobuf, grpcio, prometheus_client downgrades, cupy-cuda13x, cuda-python):
+    # lmcache --no-deps, then what its server and connector import that the rig lacks. 96 MB.
+    installs=(PipInstall(("lmcache==0.5.6",), deps=False),
+              PipInstall(("sortedcontainers==2.4.0", "aiofile==3.12.3", "caio==0.12.10",
+                          "opentelemetry-exporter-prometheus==0.66b2"))),
+    # LMCacheConnectorV1 imports lmcache too (it has no CPU path: validate warns, see
+    # connectors.config.validate LMCACHE_V1_ON_CPU); kvctl runs servers only for the MP connector.
+    connectors=("LMCacheMPConnector", "LMCacheConnectorV1"),
+    verify=_LMCACHE_VERIFY)
+
+EXTRAS: dict[str, Extra] = {e.name: e for e in (NIXL, LMCACHE)}
 # -----------------------------------------------------------------------------------------
 
 

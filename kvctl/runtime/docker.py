@@ -366,8 +366,8 @@ class DockerRuntime:
         if named_connectors(spec.kv_transfer_config, LMCACHE_MP_CONNECTOR):
             raise BadInput(f"the {spec.instance} config names LMCacheMPConnector, whose LMCache server kvctl "
                            "runs only beside local (CPU) instances", field=f"{spec.role}_config",
-                           fix="run it on the local runtime (`--runtime local`), or render it for Kubernetes "
-                               "(`kvctl render k8s`: the server is a sidecar of the instance's pod)")
+                           fix="run it on the local runtime, or render it for Kubernetes (`kvctl render k8s`: "
+                               "the server is a sidecar of the instance's pod)")
 
     def command(self, spec: InstanceSpec,
                 image_labels: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
