@@ -170,3 +170,47 @@ def test_offload_check_fails_naming_the_child():
                                     "lmcache-prefill) failed: its server")
     part = check_offload_logged(_lines(("Stored", 256)), 543, 256, "X", "s")
     assert not part.passed and "not the prompt's 512 tokens" in part.evidence
+
+
+def _pod(rendered, file: str, index: int = 1) -> dict:
+    return rendered.manifests[file][index]["spec"]["template"]["spec"]
+
+
+def test_render_k8s_runs_the_lmcache_server_as_a_native_sidecar_of_each_prefill_pod(tmp_path):
+    from kvctl.k8s.check import check_documents
+    from kvctl.k8s.render import K8sSpec, render_k8s
+
+    rendered = render_k8s(K8sSpec(name="seed", prefill=2, scenario="v1-seed-replica"))
+    assert check_documents(rendered.documents()).problems == []  # the client's models take them
+    for i in (1, 3):  # each prefill Deployment (after its Service)
+        pod = _pod(rendered, "prefill.yaml", i)
+        [sidecar] = pod["initContainers"]
+        assert sidecar["name"] == "lmcache" and sidecar["restartPolicy"] == "Always"
+        assert sidecar["startupProbe"]["httpGet"]["path"] == "/healthcheck"
+        args = sidecar["args"]
+        assert args[:3] == ["server", "--host", "127.0.0.1"] and "--supported-transfer-mode" in args
+        config = pod["containers"][0]["args"][pod["containers"][0]["args"].index("--kv-transfer-config") + 1]
+        assert '"lmcache.mp.host":"tcp://127.0.0.1","lmcache.mp.port":5555' in config
+    assert "initContainers" not in _pod(rendered, "decode.yaml")  # D names no LMCache child
+    assert "lmcache.yaml" not in rendered.manifests
+
+
+def test_render_k8s_shared_lmcache_is_one_service(tmp_path):
+    import yaml
+
+    from kvctl.k8s.check import check_documents
+    from kvctl.k8s.render import K8sSpec, render_k8s
+    from kvctl.scenario.schema import scenario_file
+
+    doc = yaml.safe_load(scenario_file("v1-seed-replica").read_text())
+    doc["lmcache"]["sharing"] = "shared"
+    path = tmp_path / "shared.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rendered = render_k8s(K8sSpec(name="seed", prefill=2, scenario=str(path)))
+    assert check_documents(rendered.documents()).problems == []
+    service, deployment = rendered.manifests["lmcache.yaml"]
+    assert service["metadata"]["name"] == "seed-lmcache" and deployment["kind"] == "Deployment"
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["args"][2] == "0.0.0.0"
+    pod = _pod(rendered, "prefill.yaml")
+    assert "initContainers" not in pod
+    assert '"lmcache.mp.host":"tcp://seed-lmcache"' in " ".join(pod["containers"][0]["args"])
