@@ -189,7 +189,8 @@ def test_a_pool_member_that_never_served_fails_the_verify_phase(monkeypatch, tmp
     monkeypatch.setattr(runner, "_verify", lambda state, plan, progress: verify)
     report = ScenarioReport(scenario="pd", source=None, cluster="pd", runtime="local", runtime_reason="",
                             expected_checks=list(CHECKS))
-    plan = SimpleNamespace(scenario=SimpleNamespace(expectations=SimpleNamespace(require="all"), eval=None))
+    plan = SimpleNamespace(scenario=SimpleNamespace(expectations=SimpleNamespace(require="all"), eval=None,
+                                                    second_round=None))
     progress = runner.ScenarioProgress()
     runner._verify_and_inspect(SimpleNamespace(store=str(tmp_path)), plan, report, runner._Phases(report, progress),
                                progress)
