@@ -214,3 +214,17 @@ def test_render_k8s_shared_lmcache_is_one_service(tmp_path):
     pod = _pod(rendered, "prefill.yaml")
     assert "initContainers" not in pod
     assert '"lmcache.mp.host":"tcp://seed-lmcache"' in " ".join(pod["containers"][0]["args"])
+
+
+def test_docker_refuses_an_lmcache_mp_config_before_anything_starts(tmp_path):
+    from kvctl.runtime.base import InstanceSpec
+    from kvctl.runtime.docker import DockerRuntime
+
+    def spec(cfg: dict) -> InstanceSpec:
+        return InstanceSpec(cluster="c", role="prefill", model=tmp_path, served_model_name="m", dtype="float32",
+                            port=1, cwd=tmp_path, log_path=tmp_path / "p.log", kv_transfer_config=cfg)
+
+    with pytest.raises(BadInput) as e:
+        DockerRuntime().check_instance(spec(_p()))
+    assert e.value.fields == ("prefill_config",) and "LMCacheMPConnector" in e.value.what
+    DockerRuntime().check_instance(spec(D))  # anything else: nothing to refuse
