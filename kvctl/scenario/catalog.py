@@ -20,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.errors import BadInput
+from kvctl.provision.extras import Extra, ExtraVenv, needed_extras
+from kvctl.provision.rig import default_spec
 from kvctl.runtime import runtime_class, select_runtime
 from kvctl.scenario.schema import Scenario, list_scenarios, load_scenario
 
@@ -90,6 +92,11 @@ class Host:
         except BadInput:  # the CPU tag hashes this host's Debian base; elsewhere it has none
             return "kvctl-cpu:latest"
 
+    def extra_missing(self, extra: Extra) -> str | None:
+        """None when `extra` is installed beside its engine's rig, else why not (with the command)."""
+        venv = ExtraVenv(extra, default_spec(extra.engine))
+        return None if not venv.unfinished() else f"not installed: `{venv.install_command()}`"
+
     def rig_missing(self, engine: str) -> str | None:
         """None when `engine`'s rig (or its interpreter override) is there, else why not."""
         if engine not in self._rigs:
@@ -131,6 +138,10 @@ def missing_here(s: Scenario, runtime: str, host: Host) -> list[tuple[str, str]]
         for engine in _engines(s):
             if engine != "v0" and (why := host.rig_missing(engine)):
                 missing.append((f"{engine.upper()} rig", why))
+        for extra in dict.fromkeys(e for r in ("prefill", "decode")
+                                   for e in needed_extras(s.role(r).kv_transfer_config)):
+            if (why := host.extra_missing(extra)) is not None:
+                missing.append((f"{extra.name} extra", why))
     return missing
 
 
