@@ -47,24 +47,24 @@ D_CONFIG = {"kv_connector": "FSConnector", "kv_role": "kv_consumer",
             "kv_connector_extra_config": {"fs_storage_path": "store"}}
 
 
-def _lmcache_extra() -> Path:
-    """The lmcache extra's directory in this run's KVCTL_HOME (skipped, or failed under CI, without it)."""
-    venv = ExtraVenv(LMCACHE, default_spec("v1"))
-    if venv.unfinished():
-        why = f"the lmcache extra is not installed at {venv.dir} (`kvctl rig install --engine v1 --extra lmcache`)"
-        if os.environ.get(REQUIRE_ENV["v1"]) == "1":
-            pytest.fail(f"{why} ({REQUIRE_ENV['v1']}=1)")
-        pytest.skip(why)
-    return venv.dir
+def _require_lmcache(python: Path) -> None:
+    """Skip (fail under KVCTL_REQUIRE_RIG_V1=1) unless the lmcache extra is installed beside the V1 rig."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(V1_PYTHON_ENV, str(python))
+        venv = ExtraVenv(LMCACHE, default_spec("v1"))
+        if venv.unfinished():
+            why = f"the lmcache extra is not installed at {venv.dir} (`kvctl rig install --engine v1 --extra lmcache`)"
+            if os.environ.get(REQUIRE_ENV["v1"]) == "1":
+                pytest.fail(f"{why} ({REQUIRE_ENV['v1']}=1; make rig-v1 installs it)")
+            pytest.skip(why)
 
 
 def _kvctl(tmp_path_factory, name: str) -> Kvctl:
-    """kvctl with a fresh KVCTL_HOME that shares this run's V1 rig and lmcache extra."""
-    python, extra = _python_or_skip("v1"), _lmcache_extra()
+    """kvctl with a fresh KVCTL_HOME on this run's V1 rig (its extras live beside it)."""
+    python = _python_or_skip("v1")
+    _require_lmcache(python)
     run = Kvctl(tmp_path_factory.mktemp(name))
     run.env[V1_PYTHON_ENV] = str(python)
-    (run.home / "extras").mkdir()
-    (run.home / "extras" / extra.name).symlink_to(extra)
     return run
 
 

@@ -24,8 +24,8 @@ from kvctl.cluster.lmcache import (HEALTH_PATH, HOST, METRICS_PATH, READY_S, SER
 from kvctl.cluster.spec import ClusterSpec, check_port_free
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.net import free_ports
-from kvctl.runtime import get_runtime
 from kvctl.runtime.base import Instance, InstanceSpec, read_log_tail
+from kvctl.runtime.local import LocalRuntime
 from kvctl.provision.extras import LMCACHE, ExtraVenv
 from kvctl.provision.rig import default_spec
 from kvctl.runtime.processes import process_start_ticks
@@ -123,8 +123,9 @@ def start_server(server: LMCacheServer, python: Path, cdir: Path) -> dict[str, A
 
 def server_instance(record: Mapping[str, Any]) -> Instance:
     """An LMCache server of a cluster as an Instance (status, logs, stop), from its record."""
-    return get_runtime("local").attach(record["name"], record["url"], Path(record["log_path"]),
-                                       {k: record[k] for k in ("pid", "start_ticks", "command")})
+    # A process of this host whatever runs the servers: the local runtime's kind, as the router.
+    return LocalRuntime().attach(record["name"], "lmcache", record["url"], Path(record["log_path"]),
+                                 {k: record[k] for k in ("pid", "start_ticks", "command")})
 
 
 def answers_healthcheck(client: httpx.Client, url: str, timeout_s: float = 2.0) -> bool:

@@ -466,9 +466,6 @@ class DockerRuntime:
                               follower.pid, process_start_ticks(follower.pid), argv, labels,
                               follower, gpus)
 
-    def check_instance(self, spec: InstanceSpec) -> None:
-        """Nothing more than `check` (every role's engine has its image)."""
-
     def attach(self, name: str, role: str, url: str, log_path: Path,
                record: Mapping[str, Any]) -> DockerInstance:
         if not isinstance(record.get("container_id"), str) or not isinstance(record.get("engine"), str):
