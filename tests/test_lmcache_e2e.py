@@ -182,13 +182,13 @@ def test_server_killed_mid_run_p_recomputes_and_verify_names_the_offload_child(f
     assert all(i["healthy"] for i in status["instances"].values())  # the vLLM servers still serve
 
 
-def test_server_that_never_comes_up_fails_the_launch_naming_it(tmp_path_factory, fault_cluster):
+def test_server_that_never_comes_up_fails_the_launch_naming_it(tmp_path_factory):
     run = _kvctl(tmp_path_factory, "lmcache-never")
     res = run("launch", "1p1d", "--runtime", "local", "--engine", "v1", "--name", "never",
               "--prefill-config", json.dumps(P_CONFIG), "--decode-config", json.dumps(D_CONFIG),
               "--lmcache-l1-size-gb", "100000", "--timeout", "120", "--json", timeout=300)
     assert res.rc == 3, res
-    assert "the LMCache server lmcache-prefill exited" in res.stderr and "during start-up" in res.stderr, res
+    assert "the LMCache server lmcache-prefill exited during start-up" in res.stderr, res
     logs = run.home / "clusters" / "never" / "logs"
     assert (logs / "lmcache-prefill.log").is_file()  # kept for reading
     assert not (logs / "prefill.log").exists()  # no vLLM server was started

@@ -153,7 +153,7 @@ def wait_servers_ready(records: Mapping[str, Mapping[str, Any]], timeout_s: floa
                     continue
                 status = instances[name].status()
                 if not status.running:
-                    raise _not_ready(rec, f"the LMCache server {name} {status.detail} during start-up",
+                    raise _not_ready(rec, f"the LMCache server {name} exited during start-up ({status.detail})",
                                      "read its log tail below; correct the flags or the lmcache extra")
                 if answers_healthcheck(client, rec["url"]):
                     ready[name] = time.time() - rec["started"]
