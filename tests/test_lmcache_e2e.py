@@ -33,7 +33,9 @@ from test_v1_e2e import REQUIRE_ENV, V1_PYTHON_ENV, _python_or_skip
 from kvctl.provision.extras import LMCACHE, ExtraVenv
 from kvctl.provision.rig import default_spec
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
+# A scenario of two V1 servers plus a restart of P takes ~5 minutes on 2 idle cores; the fault
+# cluster ~3 more: beyond pytest's default per-test 900 s when the machine is shared.
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(2400)]
 
 __all__ = ["module_slot"]
 CHECKS5 = ["kv_send_logged", "store_entry_written", "decode_skipped_forward", "output_matches_baseline",
