@@ -15,5 +15,5 @@ local and docker runtimes, so a pod runs the same server a container would.
 
 May import: `kvctl.runtime.base` (the server command line), `kvctl.scenario.schema`
 (the roles' configs, args and env), `kvctl.attach.file`, `kvctl.cluster.nixl` (NIXL's
-per-instance settings), `connectors.config`, `kvctl.errors`. Never a command or a view. Nothing here talks to a cluster.
+per-instance settings), `kvctl.cluster.lmcache` (the LMCache server's command line), `connectors.config`, `kvctl.errors`. Never a command or a view. Nothing here talks to a cluster.
 """
