@@ -38,7 +38,7 @@ def e2e(test):
 LAUNCH_TIMEOUT_S = 600  # subprocess limit; servers take 15-60 s here
 PLAIN = ("--worker-cls", "auto", "--prefill-config", "none", "--decode-config", "none")
 TOP_LEVEL = {"name", "runtime", "model", "served_model_name", "store", "created", "endpoint", "router",
-             "instances"}
+             "instances", "store_signed"}  # launch keys the store by default
 
 
 def assert_nothing_left(home: Path, pids: list[int] = ()) -> None:
@@ -70,7 +70,7 @@ def test_launch_status_chat_logs_down(kvctl, kvctl_home, rig_python, tiny_model,
               "--json", timeout=LAUNCH_TIMEOUT_S)
     assert r.rc == 0, r
     state = json.loads(r.stdout)  # exactly one JSON object on stdout
-    assert set(state) == TOP_LEVEL
+    assert set(state) == TOP_LEVEL and state["store_signed"] is True
     assert state["name"] == "lc" and state["runtime"] == "local"
     assert state["model"] == str(tiny_model) and state["served_model_name"] == tiny_model.name
     cdir = kvctl_home / "clusters" / "lc"
