@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 import pytest
 
 from connectors.config.topology import handshake_connector
@@ -112,8 +113,9 @@ def test_a_prefill_answer_without_params_is_a_502_naming_p_and_d_is_never_called
     assert r.headers["X-Kvctl-Prefill"] == "prefill-0"
     assert c.decode[0].completions() == []
     metrics = httpx.get(f"{c.url}/metrics").text
-    assert 'kvctl_router_errors_total{role="prefill",instance="prefill-0",kind="no_kv_transfer_params"} 1' \
-        in metrics
+    errors = [(s.labels, s.value) for f in text_string_to_metric_families(metrics)
+              if f.name == "kvctl_router_errors" for s in f.samples if s.name == "kvctl_router_errors_total"]
+    assert errors == [({"role": "prefill", "instance": "prefill-0", "kind": "no_kv_transfer_params"}, 1.0)]
 
 
 def test_the_api_key_is_required_and_forwarded_with_the_handshake(make_cluster):
