@@ -370,6 +370,13 @@ def restart_instances(spec: ClusterSpec, names: list[str], progress: ProgressFn 
                                             runtime_fields={**inst.record(), "vllm_engine": ispec.engine})
         save_cluster(state)
     wait_instances_healthy(started, spec.timeout_s, t0, progress, spec.name)
+    if state.endpoint:  # the router takes them back at its next health check, not at once
+        try:
+            wait_healthy({"router": (state.endpoint, lambda: None)}, spec.timeout_s, t0=t0)
+        except NotHealthy:
+            raise RuntimeFailure(f"the router of cluster {spec.name!r} did not take the restarted "
+                                 f"{', '.join(names)} back within {spec.timeout_s:.0f} s",
+                                 fix=f"kvctl status --name {spec.name} shows which instance it still counts unhealthy") from None
     return state
 
 
