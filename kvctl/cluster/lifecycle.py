@@ -376,7 +376,7 @@ def restart_instances(spec: ClusterSpec, names: list[str], progress: ProgressFn 
         except NotHealthy:
             raise RuntimeFailure(f"the router of cluster {spec.name!r} did not take the restarted "
                                  f"{', '.join(names)} back within {spec.timeout_s:.0f} s",
-                                 fix=f"kvctl status --name {spec.name} shows which instance it still counts unhealthy") from None
+                                 fix=f"`kvctl status` of cluster {spec.name!r} shows which instance is still unhealthy") from None
     return state
 
 
