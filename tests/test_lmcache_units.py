@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from connectors import log_lines as ll
-from kvctl.cluster.lmcache import (LMCacheOptions, check_lmcache_options, point_at_server, server_args,
-                                   uses_lmcache_server)
+from kvctl.cluster.lmcache import (MQ_TIMEOUT_S, LMCacheOptions, check_lmcache_options, point_at_server,
+                                   server_args, uses_lmcache_server)
 from kvctl.cluster.lmcache_process import plan_servers
 from kvctl.cluster.state import ClusterState
 from kvctl.errors import BadInput
+from kvctl.router.config import PREFILL_TIMEOUT_S
 from kvctl.verify.checks import OFFLOAD_CHECK, check_offload_logged
 from kvctl.verify.cluster_info import cluster_info
 from kvctl.verify.markers import lmcache_lines
@@ -87,6 +88,16 @@ def test_point_at_server_rewrites_only_the_mp_children():
     assert extra == {"lmcache.mp.mq_timeout": 30, "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5678}
     assert out["kv_connector_extra_config"]["connectors"][0] == FS
     assert "lmcache.mp.port" not in str(cfg)  # the input is not changed
+
+
+def test_point_at_server_bounds_each_blocking_request_to_the_server():
+    # LMCache's own 300 s would let a server killed between two heartbeats hang P's store
+    # past the router's prefill timeout (twice: PREPARE_STORE, then COMMIT_STORE).
+    out = point_at_server(_p(), 5678)
+    extra = out["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    assert extra["lmcache.mp.mq_timeout"] == MQ_TIMEOUT_S and 2 * MQ_TIMEOUT_S < PREFILL_TIMEOUT_S
+    assert point_at_server({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}, 5678)[
+        "kv_connector_extra_config"]["lmcache.mp.mq_timeout"] == MQ_TIMEOUT_S
 
 
 def test_server_args_carry_the_cpu_transfer_mode_and_options():
