@@ -80,7 +80,8 @@ from kvctl.verify.checks import (
     third_party_checks,
     transfer_bytes,
 )
-from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
+from kvctl.verify.children import request_children
+from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, OffloadInfo, cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogFile, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
 from kvctl.verify.report import (
@@ -241,9 +242,10 @@ class ClusterVerifier:
         return {i.label: LogFile(i.offload.log_path).offset() for i in self.p_log.instances if i.offload}
 
     def offload_evidence(self, prompt_tokens: int, starts: dict[str, int], instance: str | None = None
-                         ) -> CheckResult | None:
-        """The offload child's check for one request (None when P has no offload child kvctl reads):
-        what P's LMCache server logged since `starts`, for `instance` (None: the first P with one)."""
+                         ) -> tuple[CheckResult, OffloadInfo, str] | None:
+        """The offload child's check for one request, the child, and what its server logged since
+        `starts` (None when P has no offload child kvctl reads), for `instance` (None: the first P
+        with one)."""
         infos = [i for i in self.p_log.instances if i.offload and (instance is None or i.label == instance)]
         if not infos:
             return None
@@ -258,7 +260,7 @@ class ClusterVerifier:
         text = poll(lambda: LogFile(off.log_path).read_from(starts.get(inst.label, 0)), enough,
                     self.log_wait_s if whole else 0)
         down = "" if enough(text) else _server_down(off.url)
-        return check_offload_logged(text, prompt_tokens, off.chunk_size, off.label, off.server, down)
+        return check_offload_logged(text, prompt_tokens, off.chunk_size, off.label, off.server, down), off, text
 
     def run_decode(self, prompt: str, key: str, max_tokens: int,
                    key_unknown: str = "", request_id: str = "") -> tuple[ChatResult, CheckResult, str]:
@@ -422,13 +424,13 @@ class ClusterVerifier:
                                                   asked="answered")
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
-        report = self._report(prompt, pre, dec, skip_check, d_text, base, offload)
         if p_name is None and pre.match is not None and pre.match.send is not None:
             p_name = p_log.holder(p_off, pre.match.send.line)
         if d_name is None and pre.key:
             line = next((s.line for s in markers.skip_forwards(d_text) if pre.key in s.keys),
                         next((ld.line for ld in markers.kv_loads(d_text) if ld.key == pre.key), ""))
             d_name = d_log.holder(d_off, line)
+        report = self._report(prompt, pre, dec, skip_check, d_text, base, offload, p_name, d_name)
         report.request_id = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
         report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
         report.prefill_instance, report.decode_instance = p_name, d_name
@@ -441,9 +443,14 @@ class ClusterVerifier:
         return report
 
     def _report(self, prompt: str, pre: PrefillOutcome, dec: ChatResult, skip_check: CheckResult, d_text: str,
-                base: ChatResult, offload: CheckResult | None = None) -> RequestReport:
+                base: ChatResult, offload_found: tuple[CheckResult, OffloadInfo, str] | None = None,
+                prefill: str | None = None, decode: str | None = None) -> RequestReport:
         skip = next((s for s in markers.skip_forwards(d_text) if pre.key and pre.key in s.keys), None)
         send = pre.match.send if pre.match else None
+        offload, off_info, off_text = offload_found if offload_found is not None else (None, None, "")
+        children = request_children(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config,
+                                    prefill or self.info.prefill.label, decode or self.info.decode.label,
+                                    send, pre.key, d_text, off_info, off_text)
         return RequestReport(
             prompt=prompt, prompt_tokens=len(pre.tokens), key=pre.key,
             checks=[pre.kv_send, pre.store_entry, skip_check,
@@ -454,7 +461,7 @@ class ClusterVerifier:
             baseline_latency_s=base.latency_s,
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
-            recv_ms=skip.ms if skip else None)
+            recv_ms=skip.ms if skip else None, children=children)
 
 
 def _server_down(url: str) -> str:
