@@ -99,6 +99,16 @@ def test_v1_seed_replica_passes_with_each_childs_evidence(seed_replica):
         assert "LMCacheMPConnector (child 1)" in offload and "lmcache-prefill" in offload
         if req["prompt_tokens"] >= 256:  # a whole chunk: the server's own line is the evidence
             assert "Stored " in offload and "tokens in" in offload, offload
+        # each child's own evidence, as its own field: FS sent the prompt, LMCache stored its whole
+        # chunks, D loaded what neither its prefix cache nor its own last-token step computed
+        parts = req["children"]
+        assert parts["transfer"]["connector"] == "FSConnector" and parts["transfer"]["child"] == 0
+        assert parts["transfer"]["tokens"] == req["prompt_tokens"], parts
+        assert parts["offload"]["connector"] == "LMCacheMPConnector" and parts["offload"]["child"] == 1
+        assert parts["offload"]["stored"] >= req["prompt_tokens"] // 256 * 256, parts
+        load = parts["load"]
+        assert load["instance"] == "decode" and load["tokens"] >= 1, parts
+        assert load["tokens"] + load["computed"] + load["prefix_cached"] == req["prompt_tokens"], parts
     assert live_processes_under(run.home) == []  # LMCache server and vLLM servers gone with the cluster
 
 
