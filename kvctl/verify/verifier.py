@@ -80,7 +80,7 @@ from kvctl.verify.checks import (
     third_party_checks,
     transfer_bytes,
 )
-from kvctl.verify.children import request_children
+from kvctl.verify.children import nixl_children, request_children
 from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, OffloadInfo, cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogFile, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
@@ -319,14 +319,20 @@ class ClusterVerifier:
                     d_log: LogPool, d_start: tuple[int, ...]) -> tuple[CheckResult, CheckResult, CheckResult]:
         """kv_send_logged, store_entry_written and decode_skipped_forward of a NIXL request
         (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`."""
+        return self._nixl_evidence(request_id, tokens, p_log, p_start, d_log, d_start)[:3]  # type: ignore[return-value]
+
+    def _nixl_evidence(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
+                       d_log: LogPool, d_start: tuple[int, ...]
+                       ) -> tuple[CheckResult, CheckResult, CheckResult, nixl_evidence.RequestEvidence | None]:
+        """`nixl_checks`, and the lines they read (None when a log is out of reach)."""
         if not p_log.observable or not d_log.observable:
             why = f"P's log ({p_log.unobservable})" if not p_log.observable else f"D's log ({d_log.unobservable})"
             return (not_observable("kv_send_logged", why), not_observable("store_entry_written", why),
-                    not_observable("decode_skipped_forward", why))
+                    not_observable("decode_skipped_forward", why), None)
         ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
                   lambda e: e.settled, self.log_wait_s)
         return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
-                nixl_evidence.check_pulled(ev, len(tokens)))
+                nixl_evidence.check_pulled(ev, len(tokens)), ev)
 
     def verify_prompt_nixl(self, prompt: str, max_tokens: int,
                            stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -337,6 +343,7 @@ class ClusterVerifier:
         stage("prefill")
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
+        o_start = self.offload_offsets()
         pre = self.prefill.chat(messages, max_tokens=1, headers=_id_header(request_id),
                                 extra={KV_TRANSFER_PARAMS: dict(PREFILL_KV_TRANSFER_PARAMS)})
         params = pre.raw.get(KV_TRANSFER_PARAMS)
@@ -345,22 +352,32 @@ class ClusterVerifier:
                                extra={KV_TRANSFER_PARAMS: params} if isinstance(params, dict) else None)
         stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
         base = self.run_baseline(prompt, max_tokens)
-        sent, handed, pulled = self.nixl_checks(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
+        sent, handed, pulled, ev = self._nixl_evidence(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
         if not isinstance(params, dict) or not params:
             handed = CheckResult("store_entry_written", False, "P answered without kv_transfer_params, so D had "
                                                                f"nothing to pull from: {str(pre.raw)[:300]}")
-        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled)
+        offload = self.offload_evidence(len(tokens), o_start, self.info.prefill.label)
+        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled, ev, offload)
         report.request_id, report.instances_from = request_id, FROM_DIRECT
         report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
         return report
 
     def _nixl_report(self, prompt: str, tokens: list[int], pre: ChatResult, dec: ChatResult, base: ChatResult,
-                     sent: CheckResult, handed: CheckResult, pulled: CheckResult) -> RequestReport:
+                     sent: CheckResult, handed: CheckResult, pulled: CheckResult,
+                     ev: nixl_evidence.RequestEvidence | None = None,
+                     offload_found: tuple[CheckResult, OffloadInfo, str] | None = None,
+                     prefill: str | None = None, decode: str | None = None) -> RequestReport:
+        offload, off_info, off_text = offload_found if offload_found is not None else (None, None, "")
+        children = nixl_children(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config,
+                                 prefill or self.info.prefill.label, decode or self.info.decode.label, ev,
+                                 off_info, off_text)
         return RequestReport(
             prompt=prompt, prompt_tokens=len(tokens), key="",
-            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base)],
+            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base),
+                    *([offload] if offload is not None else [])],
             decode_output=dec.text, baseline_output=base.text,
-            prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s)
+            prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s,
+            children=children)
 
     def verify_prompt(self, prompt: str, max_tokens: int,
                       stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -410,8 +427,10 @@ class ClusterVerifier:
             rid = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
             stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
             base = self.run_baseline(prompt, max_tokens)
-            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off)
-            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled)
+            sent, handed, pulled, ev = self._nixl_evidence(rid, tokens, p_log, p_off, d_log, d_off)
+            offload = self.offload_evidence(len(tokens), o_start, p_name)
+            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled, ev, offload,
+                                       p_name, d_name)
             report.request_id = rid
             report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
             report.prefill_instance, report.decode_instance = p_name, d_name
