@@ -110,7 +110,7 @@ def test_the_three_way_table_has_fs_nixl_and_plain_side_by_side():
 
 
 def test_each_childs_evidence_with_nixl_as_the_transfer_child():
-    """v1-seed-replica-nixl's shape: P = MultiConnector [NixlConnector, LMCacheMPConnector], D =
+    """NIXL as the transfer child: P = MultiConnector [NixlConnector, LMCacheMPConnector], D =
     NixlConnector: P's send line, D's pull (tokens it pulled, what its prefix cache held) and the
     offload child's lines come back as separate parts."""
     from kvctl.verify.children import nixl_children
