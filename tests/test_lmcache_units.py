@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from connectors import log_lines as ll
-from kvctl.cluster.lmcache import (LMCacheOptions, check_lmcache_options, point_at_server, server_args,
-                                   uses_lmcache_server)
+from kvctl.cluster.lmcache import (MQ_TIMEOUT_S, LMCacheOptions, check_lmcache_options, point_at_server,
+                                   server_args, uses_lmcache_server)
 from kvctl.cluster.lmcache_process import plan_servers
 from kvctl.cluster.state import ClusterState
 from kvctl.errors import BadInput
+from kvctl.router.config import PREFILL_TIMEOUT_S
 from kvctl.verify.checks import OFFLOAD_CHECK, check_offload_logged
 from kvctl.verify.cluster_info import cluster_info
 from kvctl.verify.markers import lmcache_lines
@@ -87,6 +88,16 @@ def test_point_at_server_rewrites_only_the_mp_children():
     assert extra == {"lmcache.mp.mq_timeout": 30, "lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": 5678}
     assert out["kv_connector_extra_config"]["connectors"][0] == FS
     assert "lmcache.mp.port" not in str(cfg)  # the input is not changed
+
+
+def test_point_at_server_bounds_each_blocking_request_to_the_server():
+    # LMCache's own 300 s would let a server killed between two heartbeats hang P's store
+    # past the router's prefill timeout (twice: PREPARE_STORE, then COMMIT_STORE).
+    out = point_at_server(_p(), 5678)
+    extra = out["kv_connector_extra_config"]["connectors"][1]["kv_connector_extra_config"]
+    assert extra["lmcache.mp.mq_timeout"] == MQ_TIMEOUT_S and 2 * MQ_TIMEOUT_S < PREFILL_TIMEOUT_S
+    assert point_at_server({"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}, 5678)[
+        "kv_connector_extra_config"]["lmcache.mp.mq_timeout"] == MQ_TIMEOUT_S
 
 
 def test_server_args_carry_the_cpu_transfer_mode_and_options():
@@ -228,3 +239,50 @@ def test_docker_refuses_an_lmcache_mp_config_before_anything_starts(tmp_path):
         DockerRuntime().check_instance(spec(_p()))
     assert e.value.fields == ("prefill_config",) and "LMCacheMPConnector" in e.value.what
     DockerRuntime().check_instance(spec(D))  # anything else: nothing to refuse
+
+
+def test_each_childs_evidence_is_its_own_field_and_column(tmp_path):
+    """The seed's shape: P's transfer child's send line, its LMCache server's Stored/Retrieved lines
+    and D's load line come back per request as separate parts (JSON `children`, one column each)."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from kvctl.verify.children import request_children
+    from kvctl.verify.markers import kv_sends
+    from kvctl.verify.report import RequestReport, VerifyReport
+    from kvctl.views.verify import render_children
+
+    info = cluster_info(_state(tmp_path))
+    key = "ab" * 16
+    send = kv_sends(ll.KV_SEND % (0, key, 1111, 123456, 4.2, 1.0))[0]
+    d_text = (ll.KV_LOAD_DONE % (0, "r1", "ff" * 16, 900, 899, 1, 0, 1, 1.0) + "\n"  # another request's
+              + ll.KV_LOAD_DONE % (0, "r2", key, 1111, 1110, 1, 0, 2, 3.0) + "\n")
+    parts = request_children(info.prefill.kv_transfer_config, info.decode.kv_transfer_config, "prefill",
+                             "decode", send, key, d_text, info.prefill.offload,
+                             _lines(("Stored", 768), ("Retrieved", 256)))
+    doc = RequestReport(prompt="p", prompt_tokens=1111, key=key, children=parts).to_json()["children"]
+    assert doc["transfer"] == {"instance": "prefill", "connector": "FSConnector", "child": 0, "tokens": 1111,
+                               "bytes": 123456, "lines": [send.line]}
+    assert doc["offload"]["connector"] == "LMCacheMPConnector" and doc["offload"]["child"] == 1
+    assert (doc["offload"]["stored"], doc["offload"]["retrieved"], doc["offload"]["tokens"]) == (768, 256, 1024)
+    assert len(doc["offload"]["lines"]) == 2
+    assert doc["load"]["instance"] == "decode" and doc["load"]["connector"] == "FSConnector"
+    assert (doc["load"]["child"], doc["load"]["tokens"], doc["load"]["computed"]) == (None, 1110, 1)
+    assert key in doc["load"]["lines"][0]
+
+    # nothing seen: each part says so (tokens None), none is dropped
+    empty = request_children(info.prefill.kv_transfer_config, info.decode.kv_transfer_config, "prefill",
+                             "decode", None, key, "", info.prefill.offload, "")
+    assert [(c.part, c.tokens) for c in empty] == [("transfer", None), ("offload", None), ("load", None)]
+    # a plain FS pair has no children
+    assert request_children(D, D, "prefill", "decode", send, key, d_text) == []
+
+    out = StringIO()
+    render_children(VerifyReport("c", [RequestReport(prompt="p", prompt_tokens=1111, key=key, children=parts)], 16),
+                    Console(file=out, width=200))
+    text = out.getvalue()
+    for header in ("P transfer: FSConnector (child 0)", "P offload: LMCacheMPConnector (child 1)",
+                   "D load: FSConnector"):
+        assert header in text, text
+    assert "sent 1,111" in text and "stored 768 retrieved 256" in text and "loaded 1,110 computed 1" in text

@@ -107,3 +107,28 @@ def test_the_three_way_table_has_fs_nixl_and_plain_side_by_side():
     assert "FS / plain" in text and "NIXL / plain" in text
     ttft = next(line for line in text.splitlines() if line.strip().startswith("TTFT p50"))
     assert ttft.split()[3:] == ["100.00", "80.00", "50.00", "2.00", "1.60"]
+
+
+def test_each_childs_evidence_with_nixl_as_the_transfer_child():
+    """NIXL as the transfer child: P = MultiConnector [NixlConnector, LMCacheMPConnector], D =
+    NixlConnector: P's send line, D's pull (tokens it pulled, what its prefix cache held) and the
+    offload child's lines come back as separate parts."""
+    from kvctl.verify.children import nixl_children
+    from kvctl.verify.cluster_info import OffloadInfo
+    from pathlib import Path
+
+    nixl_p = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
+    p_cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": [nixl_p, {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both"}]}}
+    d_cfg = {**nixl_p, "kv_role": "kv_consumer"}
+    off = OffloadInfo("LMCacheMPConnector", 1, "lmcache-prefill", "http://x", Path("/l"), 256)
+    text = "LMCache INFO: Stored 256 tokens in 0.010 seconds\n"
+    parts = {c.part: c for c in nixl_children(p_cfg, d_cfg, "prefill", "decode", nixl.evidence("abc", P_LOG, D_LOG),
+                                              off, text)}
+    assert (parts["transfer"].connector, parts["transfer"].child, parts["transfer"].tokens) == ("NixlConnector", 0, 172)
+    assert "chatcmpl-abc-0-12ab" in parts["transfer"].lines[0]
+    assert (parts["offload"].child, parts["offload"].detail["stored"]) == (1, 256)
+    assert (parts["load"].connector, parts["load"].child, parts["load"].tokens) == ("NixlConnector", None, 172)
+    assert parts["load"].detail == {"prefix_cached": 128} and "Finished recving" in parts["load"].lines[0]
+    unseen = {c.part: c.tokens for c in nixl_children(p_cfg, d_cfg, "prefill", "decode", None, off, "")}
+    assert unseen == {"transfer": None, "offload": None, "load": None}

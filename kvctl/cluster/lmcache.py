@@ -19,7 +19,8 @@ cores), and its `/metrics` serves LMCache's Prometheus counters (in this mode th
 opens no `--prometheus-port` of its own). Its log is `logs/<name>.log` in the cluster dir.
 It starts before the vLLM servers and answers /healthcheck before they start: the
 connector registers its KV caches with the server at start-up and a vLLM server whose
-LMCache server is missing hangs for `lmcache.mp.mq_timeout` (300 s) and dies. `down`
+LMCache server is missing hangs for `lmcache.mp.mq_timeout` (LMCache's default 300 s; kvctl
+writes MQ_TIMEOUT_S, see `point_at_server`) and dies. `down`
 stops it with the servers, and so does a failed or interrupted launch. cluster.json
 keeps each one's record under `lmcache` (`status` shows them, `kvctl logs lmcache`
 reads one).
@@ -68,6 +69,7 @@ TRANSFER_MODE = "auto"  # --supported-transfer-mode: auto serves the engine-driv
 HOST = "127.0.0.1"  # both ports bind loopback
 MP_HOST = f"tcp://{HOST}"  # what the connector's lmcache.mp.host gets
 READY_S = 120.0  # a server answers /healthcheck ~13 s after its start on 2 cores; this bounds a hung one
+MQ_TIMEOUT_S = 20.0  # lmcache.mp.mq_timeout kvctl writes when a config names none: see point_at_server
 HEALTH_PATH = "/healthcheck"  # 200 {"status": "healthy"} once the engine is up (503 before)
 METRICS_PATH = "/metrics"  # LMCache's Prometheus text, on the same HTTP port
 SERVER_MODULE = "lmcache.cli.main"  # `python -m lmcache.cli.main server ...` = the `lmcache server` command
@@ -127,14 +129,24 @@ def given_port(kv_transfer_config: object) -> int | None:
 
 def point_at_server(kv_transfer_config: dict, port: int, host: str = MP_HOST) -> dict:
     """A copy of the config whose every LMCacheMPConnector talks to the server at `host`:`port`
-    (default tcp://127.0.0.1)."""
+    (default tcp://127.0.0.1), waiting at most MQ_TIMEOUT_S for each blocking request unless the
+    config names its own `lmcache.mp.mq_timeout`.
+
+    Why the bound: LMCache 0.5.6 notices a dead server only by its heartbeat (a ping every 10 s),
+    and a store submitted before that waits `mq_timeout` twice in vLLM's worker (PREPARE_STORE,
+    then COMMIT_STORE), the whole engine stalled. With LMCache's default (300 s) a server killed
+    mid-run hung P's next request past the router's 300 s prefill timeout; with 20 s P recomputes
+    after at most a few tens of seconds and serves on. The same timeout bounds the connector's
+    start-up registration, which a server kvctl has seen answer /healthcheck answers at once.
+    """
     cfg = copy.deepcopy(kv_transfer_config)
     targets = [cfg] if cfg.get("kv_connector") == LMCACHE_MP_CONNECTOR else [
         c for c in (cfg.get("kv_connector_extra_config") or {}).get("connectors") or []
         if isinstance(c, dict) and c.get("kv_connector") == LMCACHE_MP_CONNECTOR]
     for target in targets:
         extra = target.get("kv_connector_extra_config")
-        target["kv_connector_extra_config"] = {**(extra if isinstance(extra, dict) else {}),
+        target["kv_connector_extra_config"] = {"lmcache.mp.mq_timeout": MQ_TIMEOUT_S,
+                                               **(extra if isinstance(extra, dict) else {}),
                                                "lmcache.mp.host": host, "lmcache.mp.port": port}
     return cfg
 

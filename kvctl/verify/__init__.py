@@ -11,6 +11,8 @@
                      line; `capturing_logs` runs attached instances' `cmd:` log sources meanwhile
     cluster_info.py  what verify needs from a cluster's state (URLs, logs, configs, store), with
                      what is not observable (no log source, store not visible) and why
+    children.py      each connector's own evidence per request on a multi connector cluster:
+                     P's transfer send, P's offload Stored/Retrieved, D's load (pure)
     nixl.py          NIXL's evidence per request: vLLM's own NixlConnector and scheduler lines,
                      found by the request id, and the four checks as they read for NIXL (pure)
     prompts.py       the default prompts, prompts files, the empty-prompt check

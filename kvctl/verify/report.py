@@ -26,9 +26,37 @@ from dataclasses import dataclass, field
 
 from kvctl.verify.checks import BASELINE_KIND, ERROR_CHECK, CheckResult
 
+# What each connector of a request did, read from its own lines (RequestReport.children, by part):
+PART_TRANSFER = "transfer"  # P's transfer child: its `KV send DONE.` line
+PART_OFFLOAD = "offload"  # P's offload child: its LMCache server's `Stored`/`Retrieved` lines
+PART_LOAD = "load"  # D: its `KV load ...` line for the request's key
+PARTS = (PART_TRANSFER, PART_OFFLOAD, PART_LOAD)
+
 REQUIRE_ALL = "all"  # every check must pass: a check that is not observable fails
 REQUIRE_OBSERVABLE = "observable"  # every observable check must pass; the others are reported
 REQUIRE_CHOICES = (REQUIRE_ALL, REQUIRE_OBSERVABLE)
+
+
+@dataclass(frozen=True)
+class ChildEvidence:
+    """One connector's own evidence for one request (a part of PARTS), beside the checks that judge it.
+
+    `tokens`: transfer: tokens P's transfer child sent; offload: tokens its LMCache server stored
+    plus retrieved since the request (counted by delta: its lines name no request); load: tokens D
+    loaded from the store. None: no line. `detail` holds the other numbers of the line(s).
+    """
+
+    part: str
+    instance: str  # the instance it belongs to (P's for transfer and offload, D's for load)
+    connector: str
+    child: int | None  # its index among the instance's multi connector children; None: the only connector
+    tokens: int | None
+    detail: dict[str, int | None] = field(default_factory=dict)
+    lines: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"instance": self.instance, "connector": self.connector, "child": self.child,
+                "tokens": self.tokens, **self.detail, "lines": list(self.lines)}
 
 
 @dataclass
@@ -50,6 +78,7 @@ class RequestReport:
     prefill_instance: str | None = None  # the instance that served each side; None: unknown
     decode_instance: str | None = None
     instances_from: str = ""  # how those are known: one of INSTANCES_FROM; "" when unknown
+    children: list[ChildEvidence] = field(default_factory=list)  # each connector's own evidence (multi only)
 
     @property
     def passed(self) -> bool:
@@ -62,6 +91,9 @@ class RequestReport:
 
     def check(self, name: str) -> CheckResult | None:
         return next((c for c in self.checks if c.name == name), None)
+
+    def child(self, part: str) -> ChildEvidence | None:
+        return next((c for c in self.children if c.part == part), None)
 
     def to_json(self) -> dict:
         return {
@@ -77,6 +109,7 @@ class RequestReport:
             "request_id": self.request_id or None,
             "prefill_instance": self.prefill_instance, "decode_instance": self.decode_instance,
             "instances_from": self.instances_from or None,
+            "children": {c.part: c.to_json() for c in self.children},
         }
 
     def instance(self, role: str) -> str | None:

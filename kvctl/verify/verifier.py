@@ -80,7 +80,8 @@ from kvctl.verify.checks import (
     third_party_checks,
     transfer_bytes,
 )
-from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, cluster_info
+from kvctl.verify.children import nixl_children, request_children
+from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, OffloadInfo, cluster_info
 from kvctl.verify.log_files import LOG_WAIT_S, LogFile, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
 from kvctl.verify.report import (
@@ -241,9 +242,10 @@ class ClusterVerifier:
         return {i.label: LogFile(i.offload.log_path).offset() for i in self.p_log.instances if i.offload}
 
     def offload_evidence(self, prompt_tokens: int, starts: dict[str, int], instance: str | None = None
-                         ) -> CheckResult | None:
-        """The offload child's check for one request (None when P has no offload child kvctl reads):
-        what P's LMCache server logged since `starts`, for `instance` (None: the first P with one)."""
+                         ) -> tuple[CheckResult, OffloadInfo, str] | None:
+        """The offload child's check for one request, the child, and what its server logged since
+        `starts` (None when P has no offload child kvctl reads), for `instance` (None: the first P
+        with one)."""
         infos = [i for i in self.p_log.instances if i.offload and (instance is None or i.label == instance)]
         if not infos:
             return None
@@ -258,7 +260,7 @@ class ClusterVerifier:
         text = poll(lambda: LogFile(off.log_path).read_from(starts.get(inst.label, 0)), enough,
                     self.log_wait_s if whole else 0)
         down = "" if enough(text) else _server_down(off.url)
-        return check_offload_logged(text, prompt_tokens, off.chunk_size, off.label, off.server, down)
+        return check_offload_logged(text, prompt_tokens, off.chunk_size, off.label, off.server, down), off, text
 
     def run_decode(self, prompt: str, key: str, max_tokens: int,
                    key_unknown: str = "", request_id: str = "") -> tuple[ChatResult, CheckResult, str]:
@@ -317,14 +319,20 @@ class ClusterVerifier:
                     d_log: LogPool, d_start: tuple[int, ...]) -> tuple[CheckResult, CheckResult, CheckResult]:
         """kv_send_logged, store_entry_written and decode_skipped_forward of a NIXL request
         (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`."""
+        return self._nixl_evidence(request_id, tokens, p_log, p_start, d_log, d_start)[:3]  # type: ignore[return-value]
+
+    def _nixl_evidence(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
+                       d_log: LogPool, d_start: tuple[int, ...]
+                       ) -> tuple[CheckResult, CheckResult, CheckResult, nixl_evidence.RequestEvidence | None]:
+        """`nixl_checks`, and the lines they read (None when a log is out of reach)."""
         if not p_log.observable or not d_log.observable:
             why = f"P's log ({p_log.unobservable})" if not p_log.observable else f"D's log ({d_log.unobservable})"
             return (not_observable("kv_send_logged", why), not_observable("store_entry_written", why),
-                    not_observable("decode_skipped_forward", why))
+                    not_observable("decode_skipped_forward", why), None)
         ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
                   lambda e: e.settled, self.log_wait_s)
         return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
-                nixl_evidence.check_pulled(ev, len(tokens)))
+                nixl_evidence.check_pulled(ev, len(tokens)), ev)
 
     def verify_prompt_nixl(self, prompt: str, max_tokens: int,
                            stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -335,6 +343,7 @@ class ClusterVerifier:
         stage("prefill")
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
+        o_start = self.offload_offsets()
         pre = self.prefill.chat(messages, max_tokens=1, headers=_id_header(request_id),
                                 extra={KV_TRANSFER_PARAMS: dict(PREFILL_KV_TRANSFER_PARAMS)})
         params = pre.raw.get(KV_TRANSFER_PARAMS)
@@ -343,22 +352,32 @@ class ClusterVerifier:
                                extra={KV_TRANSFER_PARAMS: params} if isinstance(params, dict) else None)
         stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
         base = self.run_baseline(prompt, max_tokens)
-        sent, handed, pulled = self.nixl_checks(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
+        sent, handed, pulled, ev = self._nixl_evidence(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
         if not isinstance(params, dict) or not params:
             handed = CheckResult("store_entry_written", False, "P answered without kv_transfer_params, so D had "
                                                                f"nothing to pull from: {str(pre.raw)[:300]}")
-        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled)
+        offload = self.offload_evidence(len(tokens), o_start, self.info.prefill.label)
+        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled, ev, offload)
         report.request_id, report.instances_from = request_id, FROM_DIRECT
         report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
         return report
 
     def _nixl_report(self, prompt: str, tokens: list[int], pre: ChatResult, dec: ChatResult, base: ChatResult,
-                     sent: CheckResult, handed: CheckResult, pulled: CheckResult) -> RequestReport:
+                     sent: CheckResult, handed: CheckResult, pulled: CheckResult,
+                     ev: nixl_evidence.RequestEvidence | None = None,
+                     offload_found: tuple[CheckResult, OffloadInfo, str] | None = None,
+                     prefill: str | None = None, decode: str | None = None) -> RequestReport:
+        offload, off_info, off_text = offload_found if offload_found is not None else (None, None, "")
+        children = nixl_children(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config,
+                                 prefill or self.info.prefill.label, decode or self.info.decode.label, ev,
+                                 off_info, off_text)
         return RequestReport(
             prompt=prompt, prompt_tokens=len(tokens), key="",
-            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base)],
+            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base),
+                    *([offload] if offload is not None else [])],
             decode_output=dec.text, baseline_output=base.text,
-            prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s)
+            prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s,
+            children=children)
 
     def verify_prompt(self, prompt: str, max_tokens: int,
                       stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -408,8 +427,10 @@ class ClusterVerifier:
             rid = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
             stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
             base = self.run_baseline(prompt, max_tokens)
-            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off)
-            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled)
+            sent, handed, pulled, ev = self._nixl_evidence(rid, tokens, p_log, p_off, d_log, d_off)
+            offload = self.offload_evidence(len(tokens), o_start, p_name)
+            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled, ev, offload,
+                                       p_name, d_name)
             report.request_id = rid
             report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
             report.prefill_instance, report.decode_instance = p_name, d_name
@@ -422,13 +443,13 @@ class ClusterVerifier:
                                                   asked="answered")
         stage("baseline")
         base = self.run_baseline(prompt, max_tokens)
-        report = self._report(prompt, pre, dec, skip_check, d_text, base, offload)
         if p_name is None and pre.match is not None and pre.match.send is not None:
             p_name = p_log.holder(p_off, pre.match.send.line)
         if d_name is None and pre.key:
             line = next((s.line for s in markers.skip_forwards(d_text) if pre.key in s.keys),
                         next((ld.line for ld in markers.kv_loads(d_text) if ld.key == pre.key), ""))
             d_name = d_log.holder(d_off, line)
+        report = self._report(prompt, pre, dec, skip_check, d_text, base, offload, p_name, d_name)
         report.request_id = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
         report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
         report.prefill_instance, report.decode_instance = p_name, d_name
@@ -441,9 +462,14 @@ class ClusterVerifier:
         return report
 
     def _report(self, prompt: str, pre: PrefillOutcome, dec: ChatResult, skip_check: CheckResult, d_text: str,
-                base: ChatResult, offload: CheckResult | None = None) -> RequestReport:
+                base: ChatResult, offload_found: tuple[CheckResult, OffloadInfo, str] | None = None,
+                prefill: str | None = None, decode: str | None = None) -> RequestReport:
         skip = next((s for s in markers.skip_forwards(d_text) if pre.key and pre.key in s.keys), None)
         send = pre.match.send if pre.match else None
+        offload, off_info, off_text = offload_found if offload_found is not None else (None, None, "")
+        children = request_children(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config,
+                                    prefill or self.info.prefill.label, decode or self.info.decode.label,
+                                    send, pre.key, d_text, off_info, off_text)
         return RequestReport(
             prompt=prompt, prompt_tokens=len(pre.tokens), key=pre.key,
             checks=[pre.kv_send, pre.store_entry, skip_check,
@@ -454,7 +480,7 @@ class ClusterVerifier:
             baseline_latency_s=base.latency_s,
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
-            recv_ms=skip.ms if skip else None)
+            recv_ms=skip.ms if skip else None, children=children)
 
 
 def _server_down(url: str) -> str:

@@ -14,7 +14,8 @@ from rich.text import Text
 from kvctl.verify.checks import CHECKS, OFFLOAD_CHECK, CheckResult
 from kvctl.verify.evals import EvalReport
 from kvctl.verify.load_mode import LoadReport
-from kvctl.verify.report import FROM_HEADERS, FROM_LOGS, REQUIRE_OBSERVABLE, VerifyReport
+from kvctl.verify.report import (FROM_HEADERS, FROM_LOGS, PART_LOAD, PART_OFFLOAD, PART_TRANSFER, PARTS,
+                                 REQUIRE_OBSERVABLE, ChildEvidence, VerifyReport)
 from kvctl.verify.verifier import Progress as RequestProgress
 from kvctl.views.output import Output
 
@@ -122,6 +123,7 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
                       _secs(r.prefill_latency_s), _secs(r.decode_latency_s),
                       f"{r.transfer_bytes:,}" if r.transfer_bytes is not None else "-", *served)
     console.print(table)
+    render_children(report, console)
     render_instances(report, console)
     failed = [(i, c) for i, r in enumerate(report.requests) for c in r.checks if not c.passed and c.observable]
     for i, c in failed:
@@ -131,6 +133,43 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
     path = f"through the endpoint {report.endpoint}" if report.endpoint else "to P, then D directly"
     console.print(Text.assemble(verdict, f"  {len(report.requests)} requests {path}, D max_tokens={report.max_tokens},"
                                          f" baseline: {report.baseline}"))
+
+
+def _part_header(part: str, report: VerifyReport) -> str:
+    """`P transfer: FSConnector (child 0)`: the part and the connector its column shows."""
+    c = next((c for r in report.requests for c in r.children if c.part == part), None)
+    side = "D" if part == PART_LOAD else "P"
+    if c is None:
+        return f"{side} {part}"
+    return f"{side} {part}: {c.connector}" + (f" (child {c.child})" if c.child is not None else "")
+
+
+def _part_cell(c: ChildEvidence | None) -> str:
+    if c is None or c.tokens is None:
+        return "-"
+    if c.part == PART_TRANSFER:
+        return f"sent {c.tokens:,}"
+    if c.part == PART_OFFLOAD:
+        return f"stored {c.detail.get('stored') or 0:,} retrieved {c.detail.get('retrieved') or 0:,}"
+    computed = c.detail.get("computed")
+    return f"loaded {c.tokens:,}" + (f" computed {computed:,}" if computed is not None else "")
+
+
+def render_children(report: VerifyReport, console: Console) -> None:
+    """Each connector's own evidence per request (a multi connector cluster's; nothing otherwise)."""
+    if not any(r.children for r in report.requests):
+        return
+    parts = [p for p in PARTS if any(r.child(p) for r in report.requests)]
+    table = Table(title="each connector's evidence (tokens, from its own lines)", title_justify="left",
+                  caption=(f"{PART_OFFLOAD}: the LMCache server's Stored/Retrieved lines since the request "
+                           "(counted by delta)" if PART_OFFLOAD in parts else None),
+                  caption_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
+    table.add_column("#", justify="right")
+    for part in parts:
+        table.add_column(_part_header(part, report), justify="right")
+    for i, r in enumerate(report.requests):
+        table.add_row(str(i + 1), *[_part_cell(r.child(p)) for p in parts])
+    console.print(table)
 
 
 def _secs(v: float | None) -> str:
