@@ -75,6 +75,20 @@ def test_an_expired_lease_fails_the_send_quoting_ps_line():
     assert not check.passed and "after P's lease expired" in check.evidence
 
 
+
+def test_a_different_answer_after_an_expired_lease_names_the_lease():
+    from kvctl.verify.checks import CheckResult
+
+    expired = nixl.check_sent(nixl.evidence("late", P_LOG, ""))
+    differs = CheckResult("output_matches_baseline", False, "token ids differ at position 0")
+    named = nixl.lease_named(differs, expired)
+    assert not named.passed and named.evidence.startswith("token ids differ at position 0 (P's lease")
+    assert "D read freed blocks" in named.evidence
+    same = CheckResult("output_matches_baseline", True, "8 tokens identical")
+    assert nixl.lease_named(same, expired) is same  # an equal answer stays passed (the send check fails)
+    not_sent = nixl.check_sent(nixl.evidence("zzz", P_LOG, ""))  # no lease involved: unchanged
+    assert nixl.lease_named(differs, not_sent) is differs
+
 # ---- bench serve: NIXL's served-by-the-transfer fraction, the three-way table ----
 
 def test_bench_counts_the_requests_d_pulled_over_nixl():

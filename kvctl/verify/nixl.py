@@ -28,12 +28,14 @@ The four checks keep their names (kvctl.verify.checks.CHECKS) and mean, for NIXL
     decode_skipped_forward  D pulled N > 0 external tokens for it, finished receiving them,
                             and computed no prompt token beyond its own prefix cache
                             (local cached + pulled = the prompt)
-    output_matches_baseline as for every connector
+    output_matches_baseline as for every connector; a different answer after P's lease
+                            expired says so (D read blocks P had freed: `lease_named`)
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,3 +233,13 @@ def check_pulled(ev: RequestEvidence, prompt_tokens: int) -> CheckResult:
                                         f"tokens itself: {ev.allocated.line}")
     return CheckResult(name, True, f"pulled={pulled} prefix_cached={cached if cached is not None else '?'} "
                                    f"computed=0 of prompt_tokens={prompt_tokens}: {ev.received.line}")
+
+
+def lease_named(output: CheckResult, sent: CheckResult) -> CheckResult:
+    """The output check of a request whose answer differs after P's lease expired, with the
+    reason: D read blocks P had already freed (and perhaps given to another prompt)."""
+    if output.passed or sent.passed or not any(m in sent.evidence for m in (LEASE_EXPIRED, READ_AFTER_EXPIRY)):
+        return output
+    return dataclasses.replace(output, evidence=f"{output.evidence} (P's lease on this request's KV expired "
+                                                "before D read it: D read freed blocks, which may hold another "
+                                                "prompt's KV; see kv_send_logged)")
