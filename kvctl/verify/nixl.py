@@ -103,11 +103,16 @@ class NixlLog:
     load_failed: list[IdLine] = field(default_factory=list)  # one per request id the line names
 
 
-def _params(text: str) -> dict[str, Any]:
+def _literal(text: str) -> Any:
+    """A Python literal vLLM logged (a dict of params, a set of ids), or None."""
     try:
-        value = ast.literal_eval(text.strip())
+        return ast.literal_eval(text.strip())
     except (ValueError, SyntaxError):
-        return {}
+        return None
+
+
+def _params(text: str) -> dict[str, Any]:
+    value = _literal(text)
     return value if isinstance(value, dict) else {}
 
 
@@ -131,11 +136,9 @@ def parse(text: str) -> NixlLog:
             ctx = _params(m["ctx"])
             out.failures.append(IdLine(str(ctx.get("request_id") or ""), line, kind=m["kind"].strip()))
         elif (m := _LOAD_FAILED_RE.search(line)):
-            try:
-                ids = ast.literal_eval(m["ids"])
-            except (ValueError, SyntaxError):
-                ids = ()
-            out.load_failed.extend(IdLine(str(i), line) for i in ids if isinstance(ids, (set, list, tuple)))
+            ids = _literal(m["ids"])
+            if isinstance(ids, (set, list, tuple)):
+                out.load_failed.extend(IdLine(str(i), line) for i in ids)
     return out
 
 
