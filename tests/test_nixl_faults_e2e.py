@@ -188,6 +188,11 @@ def _held_after_prefill(f: Faults, pool: ThreadPoolExecutor, prompt: str, reques
         _signal(d_engine, signal.SIGCONT)
 
 
+def _routed(f: Faults, request_id: str) -> str:
+    """The router's ROUTED line of the request (its status, P's and D's parts in ms, its error)."""
+    return _line(Path(f.state.router["log_path"]).read_text(), "routed", request_id) or "(no ROUTED line)"
+
+
 def _nixl_lines(text: str, request_id: str) -> list[str]:
     keys = ("KV transfer", "Releasing expired", "Potentially invalid", "NIXL transfer failure",
             "num_external_tokens", "KV load failure", "Failing", "heartbeat", "Heartbeat")
@@ -284,8 +289,7 @@ def test_p_killed_before_ds_pull(faults: Faults):
           f"after D resumed; headers "
           f"{ {k: v for k, v in resp.headers.items() if k.lower().startswith('x-')} }; body {body[:600]}")
     print("D: " + "\n   ".join(_nixl_lines(d_text, request_id)))
-    router_log = Path(f.state.router["log_path"]).read_text()
-    print("router: " + (_line(router_log, "routed", request_id) or "(no ROUTED line)"))
+    print("router: " + _routed(f, request_id))
     assert resp.status_code != 200, "D answered although P died before it could pull"
     assert resp.status_code == 502, body
     assert resp.headers[PREFILL_HEADER] == "prefill" and resp.headers[DECODE_HEADER] == "decode"
@@ -329,6 +333,7 @@ def test_d_killed_mid_pull(faults: Faults):
     print(f"D killed after `{alloc[:160]}`; D had logged Finished recving: "
           f"{_line(d_text, nixl_evidence.FINISHED_RECVING, request_id) is not None}; client got "
           f"{resp.status_code} {answered_s:.2f} s after the kill: {resp.text[:400]}")
+    print("router: " + _routed(f, request_id))
     assert resp.status_code == 502, resp.text
     error = resp.json()["error"]
     assert error["instance"] == "decode" and "decode instance decode" in error["message"], error
