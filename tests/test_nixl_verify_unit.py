@@ -64,6 +64,28 @@ def test_a_decode_that_pulled_nothing_or_failed_its_handshake_fails_naming_it():
     assert not check.passed and "its NIXL handshake with P's side channel failed" in check.evidence
 
 
+def test_a_pull_from_a_dead_prefill_fails_naming_the_failure_and_the_policy():
+    """P killed before D's pull (vLLM 0.32's lines, as D logged them): the check names the
+    failed transfer setup and D failing the request under kv_load_failure_policy fail."""
+    lines = D_LOG.splitlines()[:2] + [
+        "(Worker pid=3) ERROR 12-05 09:41:19 [pull_worker.py:562] NIXL transfer failure: transfer_setup_failed. "
+        "Deferring failure reporting until outstanding transfers finish | Context: {'failure_type': "
+        "'transfer_setup_failed', 'request_id': 'chatcmpl-abc-0-99', 'engine_id': 'x'}",
+        "(EngineCore pid=2) ERROR 12-05 09:41:19 [scheduler.py:3417] Failing 1 request(s) due to KV load failure "
+        "(failure_policy=fail, 613 tokens affected). Request IDs: {'chatcmpl-abc-0-99'}",
+        "(EngineCore pid=2) DEBUG 12-05 09:41:19 [scheduler.py:3223] Finished recving KV transfer for request "
+        "chatcmpl-abc-0-99"]
+    ev = nixl.evidence("abc", "", "\n".join(lines))
+    assert ev.settled and ev.load_failed is not None
+    check = nixl.check_pulled(ev, 300)
+    assert not check.passed and "its pull failed (transfer_setup_failed)" in check.evidence
+    assert "D failed the request (kv_load_failure_policy fail): " in check.evidence
+    assert "Failing 1 request(s) due to KV load failure" in check.evidence
+    assert nixl.evidence("other", "", "\n".join(lines)).load_failed is None
+    only_policy = nixl.evidence("abc", "", "\n".join(lines[:2] + lines[3:]))
+    check = nixl.check_pulled(only_policy, 300)
+    assert not check.passed and "its KV load failed; D failed the request" in check.evidence
+
 def test_an_expired_lease_fails_the_send_quoting_ps_line():
     ev = nixl.evidence("late", P_LOG, "")
     check = nixl.check_sent(ev)
@@ -74,6 +96,20 @@ def test_an_expired_lease_fails_the_send_quoting_ps_line():
     check = nixl.check_sent(nixl.evidence("gone", after, ""))
     assert not check.passed and "after P's lease expired" in check.evidence
 
+
+
+def test_a_different_answer_after_an_expired_lease_names_the_lease():
+    from kvctl.verify.checks import CheckResult
+
+    expired = nixl.check_sent(nixl.evidence("late", P_LOG, ""))
+    differs = CheckResult("output_matches_baseline", False, "token ids differ at position 0")
+    named = nixl.lease_named(differs, expired)
+    assert not named.passed and named.evidence.startswith("token ids differ at position 0 (P's lease")
+    assert "D read freed blocks" in named.evidence
+    same = CheckResult("output_matches_baseline", True, "8 tokens identical")
+    assert nixl.lease_named(same, expired) is same  # an equal answer stays passed (the send check fails)
+    not_sent = nixl.check_sent(nixl.evidence("zzz", P_LOG, ""))  # no lease involved: unchanged
+    assert nixl.lease_named(differs, not_sent) is differs
 
 # ---- bench serve: NIXL's served-by-the-transfer fraction, the three-way table ----
 

@@ -118,6 +118,53 @@ def test_a_prefill_answer_without_params_is_a_502_naming_p_and_d_is_never_called
     assert errors == [({"role": "prefill", "instance": "prefill-0", "kind": "no_kv_transfer_params"}, 1.0)]
 
 
+VLLM_500 = b'{"error":{"message":"Internal server error","type":"InternalServerError","param":null,"code":500}}'
+
+
+def _errors(url: str) -> list[tuple[dict, float]]:
+    metrics = httpx.get(f"{url}/metrics").text
+    return [(s.labels, s.value) for f in text_string_to_metric_families(metrics)
+            if f.name == "kvctl_router_errors" for s in f.samples if s.name == "kvctl_router_errors_total"]
+
+
+def test_a_decode_that_fails_after_its_prefill_died_names_the_prefill(make_cluster):
+    """P answers its params and dies; D cannot pull and fails the request (vLLM's default
+    kv_load_failure_policy): the 502 names P, the instance that is gone, and D."""
+    c = nixl_cluster(make_cluster)
+    answer = c.prefill[0].answer_fields
+
+    def answer_then_die(body: dict, rid: str) -> dict:
+        c.prefill[0].health_status = 503  # from now on P's /health fails, as a killed P's does
+        return answer(body, rid)
+
+    c.prefill[0].answer_fields = answer_then_die
+    c.decode[0].status, c.decode[0].error_json = 500, VLLM_500
+    r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["code"] == "kv_source_down" and err["instance"] == "prefill-0"
+    assert err["message"].startswith(f"prefill instance prefill-0 ({c.prefill[0].url}) is down (/health answered 503)")
+    assert "decode instance decode-0 could not pull this request's KV from it" in err["message"]
+    assert "Internal server error" in err["message"]  # D's own answer, quoted
+    assert r.headers["X-Kvctl-Prefill"] == "prefill-0" and r.headers["X-Kvctl-Decode"] == "decode-0"
+    assert ({"role": "prefill", "instance": "prefill-0", "kind": "kv_source_down"}, 1.0) in _errors(c.url)
+
+
+def test_a_decode_that_fails_with_its_prefill_alive_is_named_with_the_prefill_it_pulled_from(make_cluster):
+    c = nixl_cluster(make_cluster)
+    c.decode[0].status, c.decode[0].error_json = 500, VLLM_500
+    r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.status_code == 502
+    err = r.json()["error"]
+    assert err["code"] == "decode_failed" and err["instance"] == "decode-0"
+    assert err["message"].endswith(f"D was to pull this request's KV from prefill instance prefill-0 "
+                                   f"({c.prefill[0].url}), which is healthy")
+    fs = make_cluster()  # without the handshake D's failure says nothing of P
+    fs.decode[0].status, fs.decode[0].error_json = 500, VLLM_500
+    r = httpx.post(f"{fs.url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 3}, timeout=30)
+    assert r.json()["error"]["code"] == "decode_failed" and "pull" not in r.json()["error"]["message"]
+
+
 def test_the_api_key_is_required_and_forwarded_with_the_handshake(make_cluster):
     c = nixl_cluster(make_cluster, api_key="k-1", fake_key="k-1")
     with pytest.raises(openai.AuthenticationError):

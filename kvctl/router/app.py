@@ -23,7 +23,9 @@ A completion, step by step:
 4. Once P has answered, D gets the client's body byte for byte (with the handshake,
    RouterConfig.kv_transfer_params: P is asked for `kv_transfer_params`, D gets the
    client's request with the ones P answered, and a P answer without them is a 502
-   naming P; bodies.py). D's answer is
+   naming P; bodies.py; when D then fails before answering, P's /health is checked at
+   once: a P that is gone is the instance the 502 names, code `kv_source_down`, since D
+   could not pull from it). D's answer is
    relayed chunk by chunk as it arrives (SSE events unbuffered). Before D's first
    body byte, D failing gives 502 like P (its 4xx passes through); after it, a
    stream gets an SSE `data: {"error": ...}` event and a plain answer is cut off
@@ -208,8 +210,13 @@ class Router:
             early, params = await self._prefill(request, encode(p_body), upstream_headers, rec, headers)
             if early is not None:
                 return early
-            d_body = encode(handshake_decode_request(body, params)) if params is not None else raw
-            return await self._decode(request, d_body, upstream_headers, rec, headers)
+            if params is None:
+                return await self._decode(request, raw, upstream_headers, rec, headers)
+            try:
+                return await self._decode(request, encode(handshake_decode_request(body, params)),
+                                          upstream_headers, rec, headers)
+            except UpstreamError as e:
+                raise await self._kv_source(e, rec) from None
         except UpstreamError as e:
             rec.error = e.message
             return e.response(headers)
@@ -258,6 +265,28 @@ class Router:
                      f"--kv-transfer-config a NIXL one?); P answered: {_snippet(answer)}",
                 code="prefill_no_kv_transfer_params", instance=inst.name)
         return None, params
+
+    async def _kv_source(self, err: UpstreamError, rec: RouteRecord) -> UpstreamError:
+        """D failed before answering a handshake request: say where its KV was to come from.
+
+        D pulls the blocks from the P that answered (its kv_transfer_params name it), so a
+        D that fails may be a P that died after its prefill (vLLM's default
+        kv_load_failure_policy fails the request). P's /health is checked now: a P that
+        does not answer is the instance named (code `kv_source_down`); a healthy one is
+        mentioned in D's error.
+        """
+        inst = next((i for i in self.pools["prefill"] if i.name == rec.prefill), None)
+        if inst is None or err.instance != rec.decode:
+            return err
+        await check_instance(self.session, inst, self.config.health_timeout_s)
+        source = f"D was to pull this request's KV from prefill instance {inst.name} ({inst.url})"
+        if inst.healthy:
+            return UpstreamError(err.status, f"{err.message}; {source}, which is healthy", code=err.code,
+                                 instance=err.instance)
+        self.metrics.inc(self.metrics.errors, role="prefill", instance=inst.name, kind="kv_source_down")
+        return UpstreamError(502, f"prefill instance {inst.name} ({inst.url}) is down ({inst.reason}) and "
+                                  f"decode instance {rec.decode} could not pull this request's KV from it: "
+                                  f"{err.message}", code="kv_source_down", instance=inst.name)
 
     async def _decode(self, request: web.Request, body: bytes, upstream_headers: dict[str, str],
                       rec: RouteRecord, headers: dict[str, str]) -> web.StreamResponse:

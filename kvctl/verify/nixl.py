@@ -12,6 +12,10 @@ vLLM 0.32's NixlConnector (pull mode) and scheduler log, per request:
     D  Finished recving KV transfer for request <D's id>                     DEBUG, scheduler
     D  NIXL transfer failure: <kind, e.g. handshake_failed> | Context: {'request_id': <D's id>, ...}
                                                                              ERROR, D's worker
+    D  Failing <n> request(s) due to KV load failure (failure_policy=fail, <t> tokens affected).
+       Request IDs: {<D's id>, ...}                                          ERROR, D's scheduler
+       (kv_load_failure_policy "fail", vLLM's default; "recompute" logs "Recovered from KV
+       load failure" without ids, and D then computes the prompt itself)
 
 (the DEBUG lines come from the two loggers kvctl.cluster.nixl turns on). vLLM names a
 request after the X-Request-Id it got (`cmpl-<id>-...`, `chatcmpl-<id>-...`), and D's
@@ -28,12 +32,14 @@ The four checks keep their names (kvctl.verify.checks.CHECKS) and mean, for NIXL
     decode_skipped_forward  D pulled N > 0 external tokens for it, finished receiving them,
                             and computed no prompt token beyond its own prefix cache
                             (local cached + pulled = the prompt)
-    output_matches_baseline as for every connector
+    output_matches_baseline as for every connector; a different answer after P's lease
+                            expired says so (D read blocks P had freed: `lease_named`)
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +53,7 @@ READ_AFTER_EXPIRY = "Potentially invalid KV blocks for unrecognized request"
 MATCHED = "NIXLConnector get_num_new_matched_tokens:"
 ALLOCATED = "NIXLConnector update_state_after_alloc:"
 FAILURE = "NIXL transfer failure:"
+LOAD_FAILED = "due to KV load failure (failure_policy=fail"
 
 _ID = r"(?P<id>[\w.:-]+)"
 _SENT_RE = re.compile(re.escape(FINISHED_SENDING) + r" " + _ID)
@@ -54,7 +61,8 @@ _RECVD_RE = re.compile(re.escape(FINISHED_RECVING) + r" " + _ID)
 _EXPIRED_RE = re.compile(re.escape(LEASE_EXPIRED) + r" " + _ID + r" which were retrieved by (?P<n>\d+)")
 _AFTER_RE = re.compile(re.escape(READ_AFTER_EXPIRY) + r" " + _ID)
 _MATCHED_RE = re.compile(re.escape(MATCHED) + r" num_computed_tokens=(?P<n>\d+), kv_transfer_params=(?P<p>.*)$")
-_FAILURE_RE = re.compile(re.escape(FAILURE) + r" (?P<kind>[^|]+?) \| Context: (?P<ctx>\{.*\})")
+_FAILURE_RE = re.compile(re.escape(FAILURE) + r" (?P<kind>\w+)[^|]*\| Context: (?P<ctx>\{.*\})")
+_LOAD_FAILED_RE = re.compile(r"Failing \d+ request\(s\) " + re.escape(LOAD_FAILED) + r".*Request IDs: (?P<ids>\{.*\})")
 _ALLOC_RE = re.compile(re.escape(ALLOCATED) + r" num_external_tokens=(?P<n>\d+), kv_transfer_params=(?P<p>.*)$")
 
 
@@ -92,13 +100,19 @@ class NixlLog:
     matched: list[ParamsLine] = field(default_factory=list)
     allocated: list[ParamsLine] = field(default_factory=list)
     failures: list[IdLine] = field(default_factory=list)
+    load_failed: list[IdLine] = field(default_factory=list)  # one per request id the line names
+
+
+def _literal(text: str) -> Any:
+    """A Python literal vLLM logged (a dict of params, a set of ids), or None."""
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return None
 
 
 def _params(text: str) -> dict[str, Any]:
-    try:
-        value = ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        return {}
+    value = _literal(text)
     return value if isinstance(value, dict) else {}
 
 
@@ -121,6 +135,10 @@ def parse(text: str) -> NixlLog:
         elif (m := _FAILURE_RE.search(line)):
             ctx = _params(m["ctx"])
             out.failures.append(IdLine(str(ctx.get("request_id") or ""), line, kind=m["kind"].strip()))
+        elif (m := _LOAD_FAILED_RE.search(line)):
+            ids = _literal(m["ids"])
+            if isinstance(ids, (set, list, tuple)):
+                out.load_failed.extend(IdLine(str(i), line) for i in ids)
     return out
 
 
@@ -141,11 +159,12 @@ class RequestEvidence:
     matched: ParamsLine | None
     received: IdLine | None
     failure: IdLine | None = None  # D's NIXL failure line for it
+    load_failed: IdLine | None = None  # D's scheduler failing it (kv_load_failure_policy fail)
 
     @property
     def settled(self) -> bool:
         """D's part is over (received, failed, or nothing to pull) and P's too (sent or expired)."""
-        if self.failure is not None:
+        if self.failure is not None or self.load_failed is not None:
             return True
         d_done = self.received is not None or (self.allocated is not None and self.allocated.tokens == 0)
         return d_done and (self.sent is not None or self.expired is not None)
@@ -166,7 +185,8 @@ def evidence(request_id: str, p_text: str, d_text: str) -> RequestEvidence:
         return (asking or found or [None])[-1]
 
     return RequestEvidence(request_id, first(p.sent), first(p.expired), first(p.after_expiry),
-                           mine(d.allocated), mine(d.matched), first(d.received), first(d.failures))
+                           mine(d.allocated), mine(d.matched), first(d.received), first(d.failures),
+                           first(d.load_failed))
 
 
 def check_sent(ev: RequestEvidence) -> CheckResult:
@@ -214,11 +234,16 @@ def check_pulled(ev: RequestEvidence, prompt_tokens: int) -> CheckResult:
                                         f"{ev.request_id}: it pulled nothing and recomputed the prompt")
     pulled = ev.allocated.tokens
     cached = ev.matched.tokens if ev.matched is not None else None
+    failed = (f"; D failed the request (kv_load_failure_policy fail): {ev.load_failed.line}"
+              if ev.load_failed is not None else "")
     if ev.failure is not None:
         what = ("its NIXL handshake with P's side channel failed" if "handshake" in ev.failure.kind
                 else f"its pull failed ({ev.failure.kind})")
         return CheckResult(name, False, f"D was to pull {pulled} tokens for request {ev.request_id} but "
-                                        f"{what}: {ev.failure.line}")
+                                        f"{what}: {ev.failure.line}{failed}")
+    if ev.load_failed is not None:
+        return CheckResult(name, False, f"D was to pull {pulled} tokens for request {ev.request_id} but its "
+                                        f"KV load failed{failed}")
     if pulled == 0:
         return CheckResult(name, False, f"D pulled 0 external tokens for request {ev.request_id} and computed "
                                         f"the prompt itself: {ev.allocated.line}")
@@ -231,3 +256,13 @@ def check_pulled(ev: RequestEvidence, prompt_tokens: int) -> CheckResult:
                                         f"tokens itself: {ev.allocated.line}")
     return CheckResult(name, True, f"pulled={pulled} prefix_cached={cached if cached is not None else '?'} "
                                    f"computed=0 of prompt_tokens={prompt_tokens}: {ev.received.line}")
+
+
+def lease_named(output: CheckResult, sent: CheckResult) -> CheckResult:
+    """The output check of a request whose answer differs after P's lease expired, with the
+    reason: D read blocks P had already freed (and perhaps given to another prompt)."""
+    if output.passed or sent.passed or not any(m in sent.evidence for m in (LEASE_EXPIRED, READ_AFTER_EXPIRY)):
+        return output
+    return dataclasses.replace(output, evidence=f"{output.evidence} (P's lease on this request's KV expired "
+                                                "before D read it: D read freed blocks, which may hold another "
+                                                "prompt's KV; see kv_send_logged)")

@@ -373,7 +373,8 @@ class ClusterVerifier:
                                  off_info, off_text)
         return RequestReport(
             prompt=prompt, prompt_tokens=len(tokens), key="",
-            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base),
+            checks=[sent, handed, pulled,
+                    nixl_evidence.lease_named(check_output_matches_baseline(dec, base), sent),
                     *([offload] if offload is not None else [])],
             decode_output=dec.text, baseline_output=base.text,
             prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s,
