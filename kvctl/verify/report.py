@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvctl.verify.checks import BASELINE_KIND, ERROR_CHECK, CheckResult
+from kvctl.verify.children import ChildEvidence
 
 REQUIRE_ALL = "all"  # every check must pass: a check that is not observable fails
 REQUIRE_OBSERVABLE = "observable"  # every observable check must pass; the others are reported
@@ -50,6 +51,7 @@ class RequestReport:
     prefill_instance: str | None = None  # the instance that served each side; None: unknown
     decode_instance: str | None = None
     instances_from: str = ""  # how those are known: one of INSTANCES_FROM; "" when unknown
+    children: list[ChildEvidence] = field(default_factory=list)  # a multi connector's children: what each did
 
     @property
     def passed(self) -> bool:
@@ -77,6 +79,7 @@ class RequestReport:
             "request_id": self.request_id or None,
             "prefill_instance": self.prefill_instance, "decode_instance": self.decode_instance,
             "instances_from": self.instances_from or None,
+            "children": [c.to_json() for c in self.children],
         }
 
     def instance(self, role: str) -> str | None:

@@ -43,13 +43,14 @@ import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import httpx
 
-from connectors.config.topology import handshake_connector, logged_send_children
+from connectors.config.topology import fs_storage_paths, handshake_connector, logged_send_children, named_connectors
 from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.cluster.lmcache import HEALTH_PATH as LMCACHE_HEALTH_PATH
@@ -59,6 +60,8 @@ from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADE
 from kvctl.router.headers import REQUEST_ID as REQUEST_ID_HEADER
 from kvctl.router.bodies import KV_TRANSFER_PARAMS, PREFILL_KV_TRANSFER_PARAMS
 from kvctl.verify import markers
+from kvctl.verify import children as child_evidence
+from kvctl.verify import metrics as metrics_evidence
 from kvctl.verify import nixl as nixl_evidence
 from kvctl.verify.checks import (
     COMPARE_EXACT,
@@ -94,6 +97,8 @@ from kvctl.verify.report import (
 )
 
 DEFAULT_MAX_TOKENS = 16
+METRICS_TIMEOUT_S = 5.0  # one /metrics read
+MetricsStart = dict  # instance label -> its /metrics reading (kvctl.verify.metrics.Reading) or None
 
 Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|endpoint|baseline|done)
 SendChildren = Sequence[tuple[int, str]]  # (child index, connector name) of P's children that must log a send
@@ -314,17 +319,105 @@ class ClusterVerifier:
                                  top_logprobs=2 if self.compare == COMPARE_TOLERANT else 0)
 
     def nixl_checks(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
-                    d_log: LogPool, d_start: tuple[int, ...]) -> tuple[CheckResult, CheckResult, CheckResult]:
+                    d_log: LogPool, d_start: tuple[int, ...], m_start: MetricsStart | None = None,
+                    ) -> tuple[CheckResult, CheckResult, CheckResult]:
         """kv_send_logged, store_entry_written and decode_skipped_forward of a NIXL request
-        (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`."""
-        if not p_log.observable or not d_log.observable:
-            why = f"P's log ({p_log.unobservable})" if not p_log.observable else f"D's log ({d_log.unobservable})"
-            return (not_observable("kv_send_logged", why), not_observable("store_entry_written", why),
-                    not_observable("decode_skipped_forward", why))
-        ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
-                  lambda e: e.settled, self.log_wait_s)
-        return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
-                nixl_evidence.check_pulled(ev, len(tokens)))
+        (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`.
+
+        A side whose log kvctl cannot read (an attached instance without a log source) is
+        judged from its /metrics deltas since `m_start` (`metrics_start`, taken before the
+        request; kvctl.verify.metrics) where it has one, else not observable."""
+        if p_log.observable and d_log.observable:
+            ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
+                      lambda e: e.settled, self.log_wait_s)
+            return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
+                    nixl_evidence.check_pulled(ev, len(tokens)))
+        d_why, p_why = f"D's log ({d_log.unobservable})", f"P's log ({p_log.unobservable})"
+        d_delta = p_delta = None
+        if m_start is not None:
+            d_delta = poll(lambda: self._metrics_delta(d_log, m_start), metrics_evidence.settled, self.log_wait_s)
+            p_delta = self._metrics_delta(p_log, m_start)
+        d_name = ", ".join(i.label for i in d_log.instances)
+        p_name = ", ".join(i.label for i in p_log.instances)
+        if d_log.observable:
+            ev = poll(lambda: nixl_evidence.evidence(request_id, "", d_log.read_from(d_start)),
+                      lambda e: e.received is not None or e.failure is not None, self.log_wait_s)
+            handed, pulled = nixl_evidence.check_handed(ev, len(tokens)), nixl_evidence.check_pulled(ev, len(tokens))
+        else:
+            handed = not_observable("store_entry_written", f"the kv_transfer_params D was handed are in {d_why} "
+                                                           "only; /metrics do not carry them")
+            pulled = (metrics_evidence.check_pulled(d_delta, len(tokens), d_name) if d_delta is not None
+                      else not_observable("decode_skipped_forward", f"{d_why}, and D's /metrics could not be read"))
+        if p_log.observable:
+            ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), ""),
+                      lambda e: e.sent is not None or e.expired is not None, self.log_wait_s)
+            sent = nixl_evidence.check_sent(ev)
+        elif d_delta is not None:
+            sent = metrics_evidence.check_sent(d_delta, p_delta, p_name)
+        else:
+            sent = not_observable("kv_send_logged", f"{p_why}, and D's /metrics could not be read")
+        return sent, handed, pulled
+
+    def metrics_start(self, *pools: LogPool) -> MetricsStart | None:
+        """/metrics readings of every instance of `pools` (label -> counters) when one of the pools
+        has a log kvctl cannot read (then its NIXL evidence comes from deltas); else None."""
+        if all(pool.complete for pool in pools):
+            return None
+        return {i.label: self._read_metrics(i) for pool in pools for i in pool.instances}
+
+    def _read_metrics(self, inst: InstanceInfo) -> metrics_evidence.Reading | None:
+        if not inst.url:
+            return None
+        headers = {"Authorization": f"Bearer {self.info.api_key}"} if self.info.api_key else None
+        try:
+            resp = httpx.get(f"{inst.url}/metrics", headers=headers, timeout=METRICS_TIMEOUT_S)
+            return metrics_evidence.counters(resp.text) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _metrics_delta(self, pool: LogPool, start: MetricsStart) -> metrics_evidence.Reading | None:
+        """The counters' change since `start`, summed over the pool's instances (None: none readable)."""
+        deltas = []
+        for inst in pool.instances:
+            before = start.get(inst.label)
+            after = self._read_metrics(inst) if before is not None else None
+            if before is not None and after is not None:
+                deltas.append(after.minus(before))
+        return metrics_evidence.total(deltas) if deltas else None
+
+    def nixl_children(self, request_id: str, tokens: list[int], sent: CheckResult, pulled: CheckResult,
+                      p_log: LogPool, p_start: tuple[int, ...], d_log: LogPool, d_start: tuple[int, ...],
+                      ) -> tuple[list[child_evidence.ChildEvidence], CheckResult | None, str]:
+        """What each child of P's and D's multi connector did for a NIXL request (kvctl.verify.children),
+        the offload check of P's FSConnector child and the key it saved the prompt under;
+        ([], None, "") when P runs no multi connector."""
+        p_cfg, d_cfg = _served_config(p_log, self.info.prefill), _served_config(d_log, self.info.decode)
+        nixl_name = handshake_connector(p_cfg) or ""
+        nixl_children = [i for i, _ in named_connectors(p_cfg, nixl_name) if i is not None]
+        if not nixl_children:
+            return [], None, ""
+        found = [child_evidence.nixl_child(nixl_children[0], nixl_name, sent, pulled)]
+        offload, key = None, ""
+        p_fs = [(i, c) for i, c in named_connectors(p_cfg, FS_CONNECTOR) if i is not None]
+        if p_fs and p_log.observable:
+            index, cfg = p_fs[0]
+            p_store = _one_store(cfg)
+            d_store = next((_one_store(c) for i, c in named_connectors(d_cfg, FS_CONNECTOR) if i == index), None)
+            with self._lock:
+                known = self._identity
+
+            def read() -> tuple:
+                return child_evidence.fs_offload(index, tokens, request_id, p_log.read_from(p_start), p_store,
+                                                 d_log.read_from(d_start) if d_log.observable else "", d_store,
+                                                 known)
+
+            offload, child, match = poll(read, lambda r: r[0].passed, self.log_wait_s)
+            if match is not None and match.identity is not None:
+                with self._lock:
+                    self._identity = match.identity
+            key = match.key if match is not None else ""
+            found.append(child)
+        return sorted(found, key=lambda c: c.index), offload, key
 
     def verify_prompt_nixl(self, prompt: str, max_tokens: int,
                            stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -335,6 +428,7 @@ class ClusterVerifier:
         stage("prefill")
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
+        m_start = self.metrics_start(self.p_log, self.d_log)
         pre = self.prefill.chat(messages, max_tokens=1, headers=_id_header(request_id),
                                 extra={KV_TRANSFER_PARAMS: dict(PREFILL_KV_TRANSFER_PARAMS)})
         params = pre.raw.get(KV_TRANSFER_PARAMS)
@@ -343,20 +437,25 @@ class ClusterVerifier:
                                extra={KV_TRANSFER_PARAMS: params} if isinstance(params, dict) else None)
         stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
         base = self.run_baseline(prompt, max_tokens)
-        sent, handed, pulled = self.nixl_checks(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
+        sent, handed, pulled = self.nixl_checks(request_id, tokens, self.p_log, p_start, self.d_log, d_start,
+                                                m_start)
         if not isinstance(params, dict) or not params:
             handed = CheckResult("store_entry_written", False, "P answered without kv_transfer_params, so D had "
                                                                f"nothing to pull from: {str(pre.raw)[:300]}")
-        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled)
-        report.request_id, report.instances_from = request_id, FROM_DIRECT
+        children, offload, key = self.nixl_children(request_id, tokens, sent, pulled, self.p_log, p_start,
+                                                    self.d_log, d_start)
+        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled, offload, key)
+        report.request_id, report.instances_from, report.children = request_id, FROM_DIRECT, children
         report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
         return report
 
     def _nixl_report(self, prompt: str, tokens: list[int], pre: ChatResult, dec: ChatResult, base: ChatResult,
-                     sent: CheckResult, handed: CheckResult, pulled: CheckResult) -> RequestReport:
+                     sent: CheckResult, handed: CheckResult, pulled: CheckResult,
+                     offload: CheckResult | None = None, key: str = "") -> RequestReport:
+        """`offload`: the offload child's check, `key`: the FS key it saved the prompt under (if any)."""
         return RequestReport(
-            prompt=prompt, prompt_tokens=len(tokens), key="",
-            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base)],
+            prompt=prompt, prompt_tokens=len(tokens), key=key,
+            checks=[sent, handed, pulled, check_output_matches_baseline(dec, base), *([offload] if offload else [])],
             decode_output=dec.text, baseline_output=base.text,
             prefill_latency_s=pre.latency_s, decode_latency_s=dec.latency_s, baseline_latency_s=base.latency_s)
 
@@ -397,6 +496,7 @@ class ClusterVerifier:
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
         o_start = self.offload_offsets()
+        m_start = self.metrics_start(self.p_log, self.d_log) if self.handshake else None
         sent_id = new_request_id()
         dec = self.endpoint.chat(messages, max_tokens=max_tokens, headers=_id_header(sent_id))
         answered_at = time.time()  # the router asked P, then D: D looked the entry up before this
@@ -408,9 +508,10 @@ class ClusterVerifier:
             rid = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
             stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
             base = self.run_baseline(prompt, max_tokens)
-            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off)
-            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled)
-            report.request_id = rid
+            sent, handed, pulled = self.nixl_checks(rid, tokens, p_log, p_off, d_log, d_off, m_start)
+            children, offload, key = self.nixl_children(rid, tokens, sent, pulled, p_log, p_off, d_log, d_off)
+            report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled, offload, key)
+            report.request_id, report.children = rid, children
             report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
             report.prefill_instance, report.decode_instance = p_name, d_name
             report.instances_from = FROM_HEADERS if not (p_note or d_note) else ""
@@ -455,6 +556,22 @@ class ClusterVerifier:
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None)
+
+
+FS_CONNECTOR = "FSConnector"  # our connector's name, as a multi connector's child names it
+
+
+def _served_config(log: LogPool, fallback: InstanceInfo) -> dict:
+    """The kv-transfer config of the one instance `log` reads (the instance that served a request),
+    else `fallback`'s (the role's first)."""
+    only = log.instances[0] if len(log.instances) == 1 else fallback
+    return only.kv_transfer_config or fallback.kv_transfer_config or {}
+
+
+def _one_store(cfg: object) -> Path | None:
+    """The FS directory a connector config names (the first), or None."""
+    paths = fs_storage_paths(cfg)
+    return Path(paths[0]) if paths else None
 
 
 def _server_down(url: str) -> str:

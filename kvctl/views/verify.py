@@ -92,6 +92,14 @@ def render_instances(report: VerifyReport, console: Console) -> None:
         console.print(Text.assemble(("note: ", "yellow"), note))
 
 
+def render_children(report: VerifyReport, console: Console) -> None:
+    """What each child of a multi connector did, per request (requests without children: nothing)."""
+    for i, r in enumerate(report.requests):
+        for c in r.children:
+            console.print(Text.assemble((f"{i + 1:>2}  child {c.index} {c.connector}: ", "bold"),
+                                        f"P {c.prefill or '-'}; D {c.decode or '-'}"), highlight=False)
+
+
 def render_verify_report(report: VerifyReport, console: Console) -> None:
     """The request x check table, then the evidence of every failed check and the unobservable ones."""
     # the offload child's column only when a request has its check (a prefill with LMCache)
@@ -122,6 +130,7 @@ def render_verify_report(report: VerifyReport, console: Console) -> None:
                       _secs(r.prefill_latency_s), _secs(r.decode_latency_s),
                       f"{r.transfer_bytes:,}" if r.transfer_bytes is not None else "-", *served)
     console.print(table)
+    render_children(report, console)
     render_instances(report, console)
     failed = [(i, c) for i, r in enumerate(report.requests) for c in r.checks if not c.passed and c.observable]
     for i, c in failed:
