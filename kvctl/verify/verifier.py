@@ -50,7 +50,8 @@ from typing import Callable, Sequence
 
 import httpx
 
-from connectors.config.topology import fs_storage_paths, handshake_connector, logged_send_children, named_connectors
+from connectors.config.topology import (FS_CONNECTOR, fs_storage_paths, handshake_connector, logged_send_children,
+                                       named_connectors)
 from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.cluster.lmcache import HEALTH_PATH as LMCACHE_HEALTH_PATH
@@ -556,9 +557,6 @@ class ClusterVerifier:
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None)
-
-
-FS_CONNECTOR = "FSConnector"  # our connector's name, as a multi connector's child names it
 
 
 def _served_config(log: LogPool, fallback: InstanceInfo) -> dict:
