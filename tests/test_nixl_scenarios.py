@@ -1,0 +1,111 @@
+"""The NIXL scenarios and the three-way `bench serve`, on real CPU servers with real NIXL.
+
+`kvctl scenario run v1-nixl-1p1d | v1-nixl-2p2d | v1-nixl-multi` as CI runs them (the
+tiny model, a handful of prompts): every request passes every check on vLLM's own NIXL
+lines, through kvctl's router; 2P2D's requests reach every P and every D, each D pulling
+from the P the router paired it with; the MultiConnector cluster reports what each child
+did (NIXL moved the KV, the FS child saved it in the instance's own dir).
+
+Every test holds the run-wide vLLM slot while its servers run. Skipped without the V1
+rig or the nixl extra; failed under KVCTL_REQUIRE_RIG_V1=1.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conftest import Kvctl, live_processes_under
+from e2e_helpers import slot_lock_path
+from test_nixl_e2e import require_nixl
+from test_v1_e2e import V1_PYTHON_ENV, _python_or_skip
+
+from kvctl.verify.checks import CHECKS, OFFLOAD_CHECK
+
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(3600)]
+
+RUN_TIMEOUT_S = 1500  # one scenario run: 2-4 V1 servers starting on 2 shared cores, then a few requests
+
+
+@pytest.fixture
+def nixl_kvctl(tmp_path: Path) -> Kvctl:
+    """kvctl in a fresh KVCTL_HOME on the V1 rig with the nixl extra (skips or fails without)."""
+    python = _python_or_skip("v1")
+    require_nixl(str(python))
+    run = Kvctl(tmp_path / "home")
+    run.env[V1_PYTHON_ENV] = str(python)
+    return run
+
+
+@pytest.fixture
+def slot(shared_dir: Path) -> Iterator[None]:
+    with open(slot_lock_path(shared_dir), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _run_scenario(run: Kvctl, name: str) -> dict:
+    r = run("scenario", "run", name, "--json", timeout=RUN_TIMEOUT_S)
+    report = json.loads(r.stdout) if r.stdout.strip() else {}
+    assert r.rc == 0 and report.get("passed") is True, (r.rc, json.dumps(report, indent=1)[:8000], r.stderr[-4000:])
+    assert live_processes_under(run.home) == []
+    return report
+
+
+def _check(request: dict, name: str) -> dict:
+    return next(c for c in request["checks"] if c["name"] == name)
+
+
+def _assert_nixl_evidence(report: dict, prompts: int) -> None:
+    verify = report["verify"]
+    assert verify["endpoint"], "verified through the router"
+    assert len(verify["requests"]) == prompts
+    for req in verify["requests"]:
+        assert all(c["passed"] and c.get("observable", True) for c in req["checks"]), req["checks"]
+        assert {c["name"] for c in req["checks"]} >= set(CHECKS)
+        assert req["instances_from"] == "headers"
+        sent = _check(req, "kv_send_logged")["evidence"]
+        assert "Finished sending KV transfer for request" in sent and req["request_id"] in sent
+        pulled = _check(req, "decode_skipped_forward")["evidence"]
+        assert "computed=0 of prompt_tokens=" in pulled and "Finished recving KV transfer" in pulled
+        assert "handed" in _check(req, "store_entry_written")["evidence"]
+
+
+def test_v1_nixl_1p1d_scenario(nixl_kvctl, slot):
+    report = _run_scenario(nixl_kvctl, "v1-nixl-1p1d")
+    assert report["engine"] == "v1"
+    _assert_nixl_evidence(report, 4)
+
+
+def test_v1_nixl_2p2d_scenario_pairs_every_p_with_every_d(nixl_kvctl, slot):
+    report = _run_scenario(nixl_kvctl, "v1-nixl-2p2d")
+    _assert_nixl_evidence(report, 4)
+    verify = report["verify"]
+    assert verify["run_failures"] == [] and verify["instance_notes"] == []
+    served = {name: v["served"] for name, v in verify["instances"].items()}
+    assert set(served) == {"prefill-0", "prefill-1", "decode-0", "decode-1"} and all(served.values()), served
+    for req in verify["requests"]:
+        # D pulled from the P that served the request: P's side channel, named in D's params
+        handed = _check(req, "store_entry_written")["evidence"]
+        assert "127.0.0.1:" in handed, handed
+
+
+def test_v1_nixl_multi_scenario_shows_each_child(nixl_kvctl, slot):
+    report = _run_scenario(nixl_kvctl, "v1-nixl-multi")
+    _assert_nixl_evidence(report, 3)
+    for req in report["verify"]["requests"]:
+        offload = _check(req, OFFLOAD_CHECK)
+        assert offload["passed"], offload
+        assert "FSConnector (child 1" in offload["evidence"] and "KV send DONE" in offload["evidence"]
+        children = {c["index"]: c for c in req["children"]}
+        assert children[0]["connector"] == "NixlConnector" and children[1]["connector"] == "FSConnector"
+        assert "Finished sending KV transfer" in children[0]["prefill_lines"][0]
+        assert children[0]["decode"].startswith("pulled ") and "Finished recving" in children[0]["decode_lines"][0]
+        # P's FS child saved this prompt's entry in its own dir; D's loaded nothing from its dir (NIXL served)
+        assert req["key"] and req["key"] in children[1]["prefill_lines"][0], children[1]
+        assert children[1]["prefill"].startswith("saved key=") and "/instances/prefill/offload" in offload["evidence"]
+        assert "KV load NONE" in children[1]["decode_lines"][0], children[1]
