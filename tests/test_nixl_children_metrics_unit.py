@@ -75,12 +75,13 @@ def test_a_decode_that_recomputed_or_failed_fails_from_its_deltas():
     assert "completed no NIXL read" in metrics.check_sent(recomputed, None, "prefill").evidence
 
 
-def test_an_expired_lease_on_p_fails_the_send_from_ps_deltas():
+def test_a_read_after_ps_lease_expired_fails_the_send_and_an_unread_lease_is_reported():
     pulled = _reading(tokens={"external_kv_transfer": 40.0}, xfers=1.0)
-    check = metrics.check_sent(pulled, _reading(expired=1.0), "prefill")
-    assert not check.passed and "lease expired" in check.evidence
     check = metrics.check_sent(pulled, _reading(after_expiry=1.0), "prefill")
     assert not check.passed and "after their lease expired" in check.evidence
+    # a lease that expired unread is another request's (seen for real: an earlier load run's): reported only
+    check = metrics.check_sent(pulled, _reading(expired=1.0), "prefill")
+    assert check.passed and "released 1 other request(s)' blocks unread" in check.evidence
     assert "P's lease counters not read" in metrics.check_sent(pulled, None, "prefill").evidence
 
 
