@@ -6,6 +6,10 @@ lines, through kvctl's router; 2P2D's requests reach every P and every D, each D
 from the P the router paired it with; the MultiConnector cluster reports what each child
 did (NIXL moved the KV, the FS child saved it in the instance's own dir).
 
+Then `kvctl bench serve` with FS P/D, NIXL P/D and the plain server in one run (3
+requests, concurrency 1): three targets, each with its figures and its ratios to the
+plain server, NIXL's requests served by the transfer, the table naming all three.
+
 Every test holds the run-wide vLLM slot while its servers run. Skipped without the V1
 rig or the nixl extra; failed under KVCTL_REQUIRE_RIG_V1=1.
 """
@@ -13,6 +17,7 @@ rig or the nixl extra; failed under KVCTL_REQUIRE_RIG_V1=1.
 from __future__ import annotations
 
 import fcntl
+import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +34,9 @@ from kvctl.verify.checks import CHECKS, OFFLOAD_CHECK
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm"), pytest.mark.timeout(3600)]
 
 RUN_TIMEOUT_S = 1500  # one scenario run: 2-4 V1 servers starting on 2 shared cores, then a few requests
+LAUNCH_TIMEOUT_S = 600
+BENCH_TIMEOUT_S = 1200
+BENCH = ("--requests", "3", "--concurrency", "1", "--input-len", "32", "--output-len", "8")
 
 
 @pytest.fixture
@@ -109,3 +117,61 @@ def test_v1_nixl_multi_scenario_shows_each_child(nixl_kvctl, slot):
         assert req["key"] and req["key"] in children[1]["prefill_lines"][0], children[1]
         assert children[1]["prefill"].startswith("saved key=") and "/instances/prefill/offload" in offload["evidence"]
         assert "KV load NONE" in children[1]["decode_lines"][0], children[1]
+
+
+@pytest.fixture(scope="module")
+def fs_and_nixl(tmp_path_factory, shared_dir: Path) -> Iterator[Kvctl]:
+    """An FS 1P1D and a NIXL 1P1D cluster on V1 (the tiny model) for the module's last tests,
+    holding the vLLM slot; both torn down afterwards."""
+    python = _python_or_skip("v1")
+    require_nixl(str(python))
+    run = Kvctl(tmp_path_factory.mktemp("three-way") / "home")
+    run.env[V1_PYTHON_ENV] = str(python)
+    with open(slot_lock_path(shared_dir), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            for name, transfer in (("fs", "fs"), ("nx", "nixl")):
+                r = run("launch", "1p1d", "--runtime", "local", "--engine", "v1", "--transfer", transfer,
+                        "--name", name, "--timeout", str(LAUNCH_TIMEOUT_S), "--json",
+                        timeout=LAUNCH_TIMEOUT_S + 120)
+                assert r.rc == 0, r
+            yield run
+        finally:
+            for name in ("fs", "nx"):
+                run("down", "--name", name)
+            assert live_processes_under(run.home) == []
+
+
+def test_bench_serve_compares_fs_nixl_and_plain_in_one_run(fs_and_nixl):
+    from rich.console import Console
+
+    from kvctl.views.bench_serve import render_serve
+    from kvctl.views.output import Output
+
+    run = fs_and_nixl
+    r = run("bench", "serve", "fs", "--compare", "nx", *BENCH, "--json", timeout=BENCH_TIMEOUT_S)
+    assert r.rc == 0, r
+    result = json.loads(r.stdout)
+    assert result["transfer"] == "fs" and result["cluster"] == "fs"
+    [nx] = result["compared"]
+    assert nx["cluster"] == "nx" and nx["transfer"] == "nixl"
+    targets = {"fs": result["pd"], "nx": nx["figures"], "plain": result["plain"]}
+    for label, figures in targets.items():
+        assert figures["completed"] == 3 and figures["failed"] == 0, (label, figures)
+        for metric in ("ttft_ms", "itl_ms"):
+            assert figures[metric]["p50"] > 0 and figures[metric]["p99"] > 0, (label, figures)
+        assert figures["requests_per_s"] > 0, (label, figures)
+    assert len({f["url"] for f in targets.values()}) == 3  # three servers, not one measured thrice
+    for ratios in (result["ratios"], nx["ratios"]):
+        assert all(v is not None and v > 0 for v in ratios.values()), ratios
+    # each P/D target's KV came over its own transfer, and answered what the plain server did
+    assert result["store"]["fraction"] > 0, result["store"]
+    assert nx["store"]["fraction"] == 1.0 and "NIXL" in nx["store"]["source"], nx["store"]
+    assert result["outputs"] == {"compared": 3, "equal": 3} and nx["outputs"] == {"compared": 3, "equal": 3}
+    assert result["plain"]["launched"] is True and "plain: server stopped" in r.stderr
+    # the table: one column per target, a ratio column per P/D target
+    buf = io.StringIO()
+    render_serve(Output(stdout=Console(file=buf, width=250), stderr=Console(file=io.StringIO())), result)
+    table = buf.getvalue()
+    for title in ("FS P/D (fs)", "NIXL P/D (nx)", "plain vLLM", "FS / plain", "NIXL / plain"):
+        assert title in table, table
