@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import Kvctl, live_processes_under
 from e2e_helpers import slot_lock_path
@@ -137,6 +138,7 @@ def fs_and_nixl(tmp_path_factory, shared_dir: Path) -> Iterator[Kvctl]:
                 assert r.rc == 0, r
             yield run
         finally:
+            run("detach", "nx-attached")
             for name in ("fs", "nx"):
                 run("down", "--name", name)
             assert live_processes_under(run.home) == []
@@ -175,3 +177,30 @@ def test_bench_serve_compares_fs_nixl_and_plain_in_one_run(fs_and_nixl):
     table = buf.getvalue()
     for title in ("FS P/D (fs)", "NIXL P/D (nx)", "plain vLLM", "FS / plain", "NIXL / plain"):
         assert title in table, table
+
+
+def test_an_attached_nixl_cluster_without_logs_is_judged_from_metrics_deltas(fs_and_nixl):
+    """`kvctl attach` with no log source: D's /metrics deltas around each request show the pull
+    (external_kv_transfer tokens, NIXL reads, no failure), where the logs are out of reach."""
+    run = fs_and_nixl
+    state = json.loads((run.home / "clusters" / "nx" / "cluster.json").read_text())
+    doc = {"served_model_name": state["served_model_name"], "endpoint": state["endpoint"],
+           **{role: {"url": inst["url"], "kv_transfer_config": inst["kv_transfer_config"]}  # no `log`
+              for role, inst in state["instances"].items()}}
+    attach_file = run.home.parent / "nx-attached.yaml"
+    attach_file.write_text(yaml.safe_dump(doc))
+    r = run("attach", "nx-attached", "--file", str(attach_file), "--json")
+    assert r.rc == 0, r
+    prompts = ("Hello, how are you?", "Tell me about the sea, the sky and the long road between them. " * 4)
+    r = run("verify", "--name", "nx-attached", "--json", "--max-tokens", "8", "--require", "observable",
+            *(a for p in prompts for a in ("--prompt", p)), timeout=900)
+    doc = json.loads(r.stdout)
+    assert r.rc == 0 and doc["passed"] is True, json.dumps(doc, indent=1)[:6000]
+    for req in doc["requests"]:
+        pulled, sent = _check(req, "decode_skipped_forward"), _check(req, "kv_send_logged")
+        assert pulled["passed"] and pulled.get("observable", True), pulled
+        assert "computed=0 of prompt_tokens=" in pulled["evidence"] and "/metrics deltas" in pulled["evidence"]
+        assert "external_kv_transfer +" in pulled["evidence"]
+        assert sent["passed"] and "NIXL read(s)" in sent["evidence"], sent
+        assert _check(req, "store_entry_written").get("observable") is False  # the params are in D's log only
+        assert _check(req, "output_matches_baseline")["passed"]
