@@ -423,3 +423,21 @@ def test_an_attached_cluster_is_never_killed_or_stopped(kvctl_home):
     for act in (inst.kill, inst.stop):
         with pytest.raises(BadInput, match="was not started by kvctl"):
             act()
+
+
+def test_attach_file_checks_a_v1_only_config_for_v1(tmp_path):
+    """A NIXL cluster's configs (V1-only connectors) are valid in an attach file; a typo is still caught."""
+    from kvctl.cluster import nixl
+
+    doc = {"served_model_name": "tiny",
+           "prefill": {"url": "http://10.0.0.5:8000", "kv_transfer_config": nixl.default_config("prefill", 2)},
+           "decode": {"url": "http://10.0.0.6:8000", "kv_transfer_config": nixl.default_config("decode", 2)}}
+    f = tmp_path / "nixl.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    spec = spec_from_file(f, "nx")
+    assert [i.kv_transfer_config["kv_connector"] for i in spec.instances] == ["NixlConnector", "NixlConnector"]
+    doc["decode"]["kv_transfer_config"]["kv_role"] = "kv_consumr"
+    f.write_text(yaml.safe_dump(doc))
+    with pytest.raises(BadInput) as e:
+        spec_from_file(f, "nx")
+    assert "$.decode.kv_transfer_config.kv_role" in str(e.value.to_json())

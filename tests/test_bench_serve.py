@@ -128,3 +128,33 @@ def test_help_says_why_this_load_tool(kvctl):
     text = " ".join(r.stdout.split())
     assert "vllm bench serve" in text and "guidellm" in text and "--plain-url" in text
     assert "vllm bench serve" in serve.__doc__ and "guidellm" in serve.__doc__
+
+
+def test_a_pd_run_waits_for_its_endpoint_to_be_healthy_again():
+    """A router that holds no healthy instance for a moment (a starved host) answers /health 503:
+    the load run waits for its 200 instead of meeting only 503s."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = iter([503, 503, 200])
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(next(answers, 200))
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        state = ClusterState(name="nx", runtime="local", model="m", served_model_name="m", store="", created="",
+                             endpoint=url, instances={})
+        lines: list[str] = []
+        serve._wait_endpoint("pd-nx", state, lines.append)
+        assert lines == [f"pd-nx: waiting for {url} to answer /health (its router holds no healthy P or D)"]
+        assert next(answers, "done") == "done"  # it asked until the 200
+    finally:
+        server.shutdown()

@@ -167,3 +167,19 @@ def test_v1_scenarios_validate(name):
                                                  "decode_skipped_forward"}
     else:
         assert third_party_checks(p, d) == {} and s.expected_sent_to() == []
+
+
+def test_nixl_carries_the_kv_and_an_fs_child_beside_it_is_an_offload(tmp_path):
+    """v1-nixl-multi's shape: NIXL moves KV P->D, each side's FS child keeps a private copy; so
+    no FS transfer store (P's and D's FS dirs need not meet) and NIXL is the transfer connector."""
+    from kvctl.cluster.spec import shared_store
+
+    nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
+    p = v1_multi({**nixl, "kv_role": "kv_producer"}, fs("kv_producer", "/p/offload"))
+    d = v1_multi({**nixl, "kv_role": "kv_consumer"}, fs("kv_both", "/d/offload"))
+    assert transfer_store(p, "send") is None and transfer_store(d, "recv") is None
+    assert transfer_connector(p, "send") == "NixlConnector" and transfer_connector(d, "recv") == "NixlConnector"
+    assert shared_store({"prefill": p, "decode": d}, None, tmp_path) == tmp_path / "store"  # no clash
+    # an FS child marked transfer still carries the KV, NIXL or not
+    marked = v1_multi({**nixl, "kv_role": "kv_producer"}, fs("kv_producer", "/s", transfer=True))
+    assert transfer_store(marked, "send") == "/s"

@@ -50,8 +50,11 @@ For both:
 - The **transfer child** of a side (``"send"`` for P, ``"recv"`` for D) is the
   FSConnector child that carries KV from P to D: among the FSConnector
   children acting on that side, the one marked transfer, else the only one.
-  None when that is ambiguous (several, none marked) or there is none. For a
-  plain FSConnector config, the connector itself carries the KV.
+  None when that is ambiguous (several, none marked) or there is none, and
+  when a handshake child (NIXL, below) is there and no FS child is marked
+  transfer: NIXL carries the KV, an FS child beside it is an offload (its
+  store private to the instance). For a plain FSConnector config, the
+  connector itself carries the KV.
 - A child's **store** is the ``fs_storage_path`` of its extra config (an
   FSConnector's store directory; None when it has none).
 - `transfer_connector` names whatever carries KV on a side when no
@@ -176,8 +179,10 @@ def receiving_children(cfg: object) -> list[Child]:
 
 def transfer_child(cfg: object, direction: Direction) -> Child | None:
     """The FSConnector child that carries KV P->D on this side, or None (see the module's rule)."""
-    fs = [c for c in children(cfg) if c.is_fs and (c.sends if direction == "send" else c.receives)]
-    chosen = [c for c in fs if c.transfer] or fs
+    listed = children(cfg)
+    fs = [c for c in listed if c.is_fs and (c.sends if direction == "send" else c.receives)]
+    handshake = any(c.connector in HANDSHAKE_CONNECTORS for c in listed)
+    chosen = [c for c in fs if c.transfer] or ([] if handshake else fs)
     return chosen[0] if len(chosen) == 1 else None
 
 
@@ -214,6 +219,9 @@ def transfer_connector(cfg: object, direction: Direction) -> str | None:
         acting = acts(role, direction) or (name in ROLE_BLIND_V1 and role in ROLES)
         return name if acting and isinstance(name, str) and name != FS_CONNECTOR else None
     acting_children = [c for c in children(cfg) if (c.sends if direction == "send" else c.receives)]
+    if any(c.connector in HANDSHAKE_CONNECTORS for c in acting_children):
+        # NIXL carries the KV: an FS child beside it is an offload (see transfer_child)
+        acting_children = [c for c in acting_children if not c.is_fs]
     if not acting_children or any(c.is_fs for c in acting_children):
         return None  # nothing acts, or FS children (an ambiguous transfer child is the validator's)
     return acting_children[0].connector

@@ -31,8 +31,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from connectors.config.validate import ConfigProblem, check_kv_transfer_config, pydantic_problems
-from connectors.config.names import ROLES
+from connectors.config.validate import ConfigProblem, check_kv_transfer_config, pydantic_problems, required_engine
+from connectors.config.names import DEFAULT_ENGINE, ROLES
 from kvctl.errors import BadInput
 
 INSTANCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
@@ -136,7 +136,9 @@ def check_attach_file(raw: object) -> tuple[AttachFile | None, list[ConfigProble
                 problems += pydantic_problems(e, where, list(InstanceEntry.model_fields), _FIXES)
                 continue
             if entry.kv_transfer_config is not None:
-                for p in check_kv_transfer_config(entry.kv_transfer_config):
+                # checked for the engine it names (a V1-only connector such as NixlConnector: v1)
+                engine = required_engine(entry.kv_transfer_config) or DEFAULT_ENGINE
+                for p in check_kv_transfer_config(entry.kv_transfer_config, engine=engine):
                     p.path = f"{where}.kv_transfer_config{p.path[1:]}"
                     problems.append(p)
             url = entry.url.rstrip("/")

@@ -66,7 +66,7 @@ from kvctl.signals import signals_interrupt
 from kvctl.cluster.spec import model_dtype, spread_cpu_binds
 from kvctl.cluster.state import ClusterState, cluster_api_key, cluster_dir, load_cluster
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.net import answers_health, free_ports
+from kvctl.net import NotHealthy, answers_health, free_ports, wait_healthy
 from kvctl.provision.rig import rig_python
 from kvctl.runtime import get_runtime
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, Instance, InstanceSpec
@@ -87,6 +87,8 @@ SEED = 0  # the random dataset's seed: both targets get the same prompts
 TIMEOUT_S = 1800.0  # one target's whole load run
 PLAIN_READY_S = 600.0  # the plain server's start-up (a cold CPU start takes a minute or two)
 PLAIN_NOTE_S = 15.0  # a progress line this often while the plain server starts
+ENDPOINT_READY_S = 180.0  # a P/D endpoint's /health back to 200 before its run (a starved host's router
+                          # marks instances unhealthy while the plain server starts)
 PLAIN_ROLE = "plain vLLM"  # as its start-up errors name it: "the plain vLLM server exited ..."
 HEALTH_TIMEOUT_S = 5.0
 PERCENTILES = "50,99"
@@ -545,10 +547,30 @@ def _pd_cluster(name: str, field: str) -> ClusterState:
 def _pd_run(label: str, state: ClusterState, served: str, tokenizer: Path, opts: ServeOptions, work: Path,
             progress: Progress, api_key: str | None) -> tuple[dict, dict]:
     """The tool at one P/D cluster's endpoint: its raw result and what D served from the transfer."""
+    _wait_endpoint(label, state, progress)
     with _decode_logs(state) as (logs, why_not):
         offsets = logs.offset() if logs is not None else ()
         raw = run_tool(label, state.endpoint, served, tokenizer, opts, work, progress, api_key)
         return raw, _store_after(logs, offsets, why_not, opts.requests + 1)
+
+
+def _wait_endpoint(label: str, state: ClusterState, progress: Progress) -> None:
+    """Wait until cluster `state`'s endpoint answers /health with 200 (its router has a healthy P and D).
+
+    Its router checks each instance every second with a short timeout, so on a starved host (the
+    plain server starting beside the clusters) it may hold none healthy for a while: a load run
+    started then gets only 503s. Raises RuntimeFailure when it is not back within ENDPOINT_READY_S.
+    """
+    with httpx.Client() as client:
+        if answers_health(client, state.endpoint):
+            return
+    progress(f"{label}: waiting for {state.endpoint} to answer /health (its router holds no healthy P or D)")
+    try:
+        wait_healthy({"endpoint": (state.endpoint, lambda: None)}, ENDPOINT_READY_S)
+    except NotHealthy:
+        raise RuntimeFailure(f"cluster {state.name!r}'s endpoint {state.endpoint} did not answer /health with 200 "
+                             f"within {ENDPOINT_READY_S:g} s", where=state.endpoint,
+                             fix="`kvctl status` shows which instance is down") from None
 
 
 @contextmanager

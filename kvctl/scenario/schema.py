@@ -52,7 +52,7 @@ from kvctl.verify.checks import CHECKS
 from kvctl.verify.evals import DEFAULT_TOLERANCE, EVAL_SETS
 
 Role = Literal[ROLES]
-OFFLOAD_CHECK_NAME = "offload_logged"  # kvctl.verify.checks OFFLOAD_CHECK: a prefill with an LMCache server
+OFFLOAD_CHECK_NAME = "offload_logged"  # kvctl.verify.checks OFFLOAD_CHECK: P with an LMCache server, or an FS offload child beside NIXL
 
 # Replaced in kv_transfer_config strings at launch, as the server sees them:
 # the shared store dir, and a dir private to the instance (e.g. an offload cache).

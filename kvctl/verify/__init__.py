@@ -15,6 +15,8 @@
                      P's transfer send, P's offload Stored/Retrieved, D's load (pure)
     nixl.py          NIXL's evidence per request: vLLM's own NixlConnector and scheduler lines,
                      found by the request id, and the four checks as they read for NIXL (pure)
+    children.py      what each child of a NIXL multi connector did per request: NIXL sent and
+                     pulled, the FS offload child saved the prompt in its own dir (pure)
     prompts.py       the default prompts, prompts files, the empty-prompt check
     verifier.py      the driver: ClusterVerifier (per-request steps, direct or through the
                      endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify,

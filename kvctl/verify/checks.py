@@ -10,6 +10,10 @@ whose LMCache server kvctl runs: kvctl.cluster.lmcache), one more (OFFLOAD_CHECK
 
     offload_logged          P's LMCache server stored or retrieved this prompt's whole chunks
 
+and likewise for P's FSConnector offload child beside a NIXL transfer child (V1's
+MultiConnector; kvctl.verify.children): P's FS child saved a valid entry holding exactly
+this prompt in its own directory.
+
 Each check returns a CheckResult with its evidence (a log line, a file, a
 token diff); none raises for a failed check. Nothing here talks to a server.
 

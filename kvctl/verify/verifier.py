@@ -43,13 +43,15 @@ import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import httpx
 
-from connectors.config.topology import handshake_connector, logged_send_children
+from connectors.config.topology import (FS_CONNECTOR, fs_storage_paths, handshake_connector, logged_send_children,
+                                       named_connectors)
 from connectors.store.format import KVIdentity
 from kvctl.client import ChatResult, VLLMClient, user_messages
 from kvctl.cluster.lmcache import HEALTH_PATH as LMCACHE_HEALTH_PATH
@@ -59,6 +61,8 @@ from kvctl.router.headers import DECODE_HEADER, PREFILL_HEADER, PREFILL_MS_HEADE
 from kvctl.router.headers import REQUEST_ID as REQUEST_ID_HEADER
 from kvctl.router.bodies import KV_TRANSFER_PARAMS, PREFILL_KV_TRANSFER_PARAMS
 from kvctl.verify import markers
+from kvctl.verify import children as child_evidence
+from kvctl.verify import metrics as metrics_evidence
 from kvctl.verify import nixl as nixl_evidence
 from kvctl.verify.checks import (
     COMPARE_EXACT,
@@ -85,6 +89,7 @@ from kvctl.verify.cluster_info import ClusterInfo, InstanceInfo, OffloadInfo, cl
 from kvctl.verify.log_files import LOG_WAIT_S, LogFile, LogPool, capturing_logs, poll
 from kvctl.verify.prompts import DEFAULT_PROMPTS, check_prompts
 from kvctl.verify.report import (
+    ChildEvidence,
     FROM_DIRECT,
     FROM_HEADERS,
     FROM_LOGS,
@@ -95,6 +100,8 @@ from kvctl.verify.report import (
 )
 
 DEFAULT_MAX_TOKENS = 16
+METRICS_TIMEOUT_S = 5.0  # one /metrics read
+MetricsStart = dict  # instance label -> its /metrics reading (kvctl.verify.metrics.Reading) or None
 
 Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|endpoint|baseline|done)
 SendChildren = Sequence[tuple[int, str]]  # (child index, connector name) of P's children that must log a send
@@ -316,23 +323,107 @@ class ClusterVerifier:
                                  top_logprobs=2 if self.compare == COMPARE_TOLERANT else 0)
 
     def nixl_checks(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
-                    d_log: LogPool, d_start: tuple[int, ...]) -> tuple[CheckResult, CheckResult, CheckResult]:
+                    d_log: LogPool, d_start: tuple[int, ...], m_start: MetricsStart | None = None,
+                    ) -> tuple[CheckResult, CheckResult, CheckResult]:
         """kv_send_logged, store_entry_written and decode_skipped_forward of a NIXL request
-        (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`."""
-        return self._nixl_evidence(request_id, tokens, p_log, p_start, d_log, d_start)[:3]  # type: ignore[return-value]
+        (kvctl.verify.nixl), from what P and D logged since `p_start` / `d_start`.
+
+        A side whose log kvctl cannot read (an attached instance without a log source) is
+        judged from its /metrics deltas since `m_start` (`metrics_start`, taken before the
+        request; kvctl.verify.metrics) where it has one, else not observable."""
+        return self._nixl_evidence(request_id, tokens, p_log, p_start, d_log, d_start, m_start)[:3]  # type: ignore[return-value]
 
     def _nixl_evidence(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
-                       d_log: LogPool, d_start: tuple[int, ...]
+                       d_log: LogPool, d_start: tuple[int, ...], m_start: MetricsStart | None = None,
                        ) -> tuple[CheckResult, CheckResult, CheckResult, nixl_evidence.RequestEvidence | None]:
-        """`nixl_checks`, and the lines they read (None when a log is out of reach)."""
-        if not p_log.observable or not d_log.observable:
-            why = f"P's log ({p_log.unobservable})" if not p_log.observable else f"D's log ({d_log.unobservable})"
-            return (not_observable("kv_send_logged", why), not_observable("store_entry_written", why),
-                    not_observable("decode_skipped_forward", why), None)
-        ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
-                  lambda e: e.settled, self.log_wait_s)
-        return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
-                nixl_evidence.check_pulled(ev, len(tokens)), ev)
+        """`nixl_checks`, and the lines they read (None unless both logs are readable)."""
+        if p_log.observable and d_log.observable:
+            ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
+                      lambda e: e.settled, self.log_wait_s)
+            return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
+                    nixl_evidence.check_pulled(ev, len(tokens)), ev)
+        d_why, p_why = f"D's log ({d_log.unobservable})", f"P's log ({p_log.unobservable})"
+        d_delta = p_delta = None
+        if m_start is not None:
+            d_delta = poll(lambda: self._metrics_delta(d_log, m_start), metrics_evidence.settled, self.log_wait_s)
+            p_delta = self._metrics_delta(p_log, m_start)
+        d_name = ", ".join(i.label for i in d_log.instances)
+        p_name = ", ".join(i.label for i in p_log.instances)
+        if d_log.observable:
+            ev = poll(lambda: nixl_evidence.evidence(request_id, "", d_log.read_from(d_start)),
+                      lambda e: e.received is not None or e.failure is not None, self.log_wait_s)
+            handed, pulled = nixl_evidence.check_handed(ev, len(tokens)), nixl_evidence.check_pulled(ev, len(tokens))
+        else:
+            handed = not_observable("store_entry_written", f"the kv_transfer_params D was handed are in {d_why} "
+                                                           "only; /metrics do not carry them")
+            pulled = (metrics_evidence.check_pulled(d_delta, len(tokens), d_name) if d_delta is not None
+                      else not_observable("decode_skipped_forward", f"{d_why}, and D's /metrics could not be read"))
+        if p_log.observable:
+            ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), ""),
+                      lambda e: e.sent is not None or e.expired is not None, self.log_wait_s)
+            sent = nixl_evidence.check_sent(ev)
+        elif d_delta is not None:
+            sent = metrics_evidence.check_sent(d_delta, p_delta, p_name)
+        else:
+            sent = not_observable("kv_send_logged", f"{p_why}, and D's /metrics could not be read")
+        return sent, handed, pulled, None
+
+    def metrics_start(self, *pools: LogPool) -> MetricsStart | None:
+        """/metrics readings of every instance of `pools` (label -> counters) when one of the pools
+        has a log kvctl cannot read (then its NIXL evidence comes from deltas); else None."""
+        if all(pool.complete for pool in pools):
+            return None
+        return {i.label: self._read_metrics(i) for pool in pools for i in pool.instances}
+
+    def _read_metrics(self, inst: InstanceInfo) -> metrics_evidence.Reading | None:
+        if not inst.url:
+            return None
+        headers = {"Authorization": f"Bearer {self.info.api_key}"} if self.info.api_key else None
+        try:
+            resp = httpx.get(f"{inst.url}/metrics", headers=headers, timeout=METRICS_TIMEOUT_S)
+            return metrics_evidence.counters(resp.text) if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def _metrics_delta(self, pool: LogPool, start: MetricsStart) -> metrics_evidence.Reading | None:
+        """The counters' change since `start`, summed over the pool's instances (None: none readable)."""
+        deltas = []
+        for inst in pool.instances:
+            before = start.get(inst.label)
+            after = self._read_metrics(inst) if before is not None else None
+            if before is not None and after is not None:
+                deltas.append(after.minus(before))
+        return metrics_evidence.total(deltas) if deltas else None
+
+    def fs_offload_child(self, request_id: str, tokens: list[int], p_log: LogPool, p_start: tuple[int, ...],
+                         d_log: LogPool, d_start: tuple[int, ...], instance: str | None,
+                         ) -> tuple[ChildEvidence | None, CheckResult | None, str]:
+        """P's FSConnector offload child beside a NIXL transfer child (v1-nixl-multi): its part of the
+        request's children, its offload check and the key it saved the prompt under; (None, None, "")
+        when P has no such child or its log is out of reach."""
+        p_cfg, d_cfg = _served_config(p_log, self.info.prefill), _served_config(d_log, self.info.decode)
+        nixl_name = handshake_connector(p_cfg) or ""
+        if not any(i is not None for i, _ in named_connectors(p_cfg, nixl_name)):
+            return None, None, ""
+        p_fs = [(i, c) for i, c in named_connectors(p_cfg, FS_CONNECTOR) if i is not None]
+        if not p_fs or not p_log.observable:
+            return None, None, ""
+        index, cfg = p_fs[0]
+        p_store = _one_store(cfg)
+        d_store = next((_one_store(c) for i, c in named_connectors(d_cfg, FS_CONNECTOR) if i == index), None)
+        with self._lock:
+            known = self._identity
+
+        def read() -> tuple:
+            return child_evidence.fs_offload(index, tokens, request_id, p_log.read_from(p_start), p_store,
+                                             d_log.read_from(d_start) if d_log.observable else "", d_store,
+                                             known, instance or self.info.prefill.label)
+
+        offload, child, match = poll(read, lambda r: r[0].passed, self.log_wait_s)
+        if match is not None and match.identity is not None:
+            with self._lock:
+                self._identity = match.identity
+        return child, offload, match.key if match is not None else ""
 
     def verify_prompt_nixl(self, prompt: str, max_tokens: int,
                            stage: Callable[[str], None] = lambda s: None) -> RequestReport:
@@ -344,6 +435,7 @@ class ClusterVerifier:
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
         o_start = self.offload_offsets()
+        m_start = self.metrics_start(self.p_log, self.d_log)
         pre = self.prefill.chat(messages, max_tokens=1, headers=_id_header(request_id),
                                 extra={KV_TRANSFER_PARAMS: dict(PREFILL_KV_TRANSFER_PARAMS)})
         params = pre.raw.get(KV_TRANSFER_PARAMS)
@@ -352,12 +444,14 @@ class ClusterVerifier:
                                extra={KV_TRANSFER_PARAMS: params} if isinstance(params, dict) else None)
         stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
         base = self.run_baseline(prompt, max_tokens)
-        sent, handed, pulled, ev = self._nixl_evidence(request_id, tokens, self.p_log, p_start, self.d_log, d_start)
+        sent, handed, pulled, ev = self._nixl_evidence(request_id, tokens, self.p_log, p_start, self.d_log, d_start,
+                                                       m_start)
         if not isinstance(params, dict) or not params:
             handed = CheckResult("store_entry_written", False, "P answered without kv_transfer_params, so D had "
                                                                f"nothing to pull from: {str(pre.raw)[:300]}")
         offload = self.offload_evidence(len(tokens), o_start, self.info.prefill.label)
-        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled, ev, offload)
+        fs = self.fs_offload_child(request_id, tokens, self.p_log, p_start, self.d_log, d_start, None)
+        report = self._nixl_report(prompt, tokens, pre, dec, base, sent, handed, pulled, ev, offload, fs=fs)
         report.request_id, report.instances_from = request_id, FROM_DIRECT
         report.prefill_instance, report.decode_instance = self.info.prefill.label, self.info.decode.label
         return report
@@ -366,13 +460,18 @@ class ClusterVerifier:
                      sent: CheckResult, handed: CheckResult, pulled: CheckResult,
                      ev: nixl_evidence.RequestEvidence | None = None,
                      offload_found: tuple[CheckResult, OffloadInfo, str] | None = None,
-                     prefill: str | None = None, decode: str | None = None) -> RequestReport:
+                     prefill: str | None = None, decode: str | None = None,
+                     fs: tuple[ChildEvidence | None, CheckResult | None, str] = (None, None, "")) -> RequestReport:
+        """`offload_found`: P's LMCache child (offload_evidence); `fs`: P's FSConnector offload
+        child (fs_offload_child): its part, its check and the key it saved the prompt under."""
         offload, off_info, off_text = offload_found if offload_found is not None else (None, None, "")
+        fs_part, fs_check, key = fs
         children = nixl_children(self.info.prefill.kv_transfer_config, self.info.decode.kv_transfer_config,
                                  prefill or self.info.prefill.label, decode or self.info.decode.label, ev,
-                                 off_info, off_text)
+                                 off_info, off_text, fs_part)
+        offload = offload if offload is not None else fs_check
         return RequestReport(
-            prompt=prompt, prompt_tokens=len(tokens), key="",
+            prompt=prompt, prompt_tokens=len(tokens), key=key,
             checks=[sent, handed, pulled,
                     nixl_evidence.lease_named(check_output_matches_baseline(dec, base), sent),
                     *([offload] if offload is not None else [])],
@@ -417,6 +516,7 @@ class ClusterVerifier:
         tokens = self.prefill.tokenize_chat(messages)
         p_start, d_start = self.p_log.offset(), self.d_log.offset()
         o_start = self.offload_offsets()
+        m_start = self.metrics_start(self.p_log, self.d_log) if self.handshake else None
         sent_id = new_request_id()
         dec = self.endpoint.chat(messages, max_tokens=max_tokens, headers=_id_header(sent_id))
         answered_at = time.time()  # the router asked P, then D: D looked the entry up before this
@@ -428,10 +528,11 @@ class ClusterVerifier:
             rid = dec.headers.get(REQUEST_ID_HEADER.lower()) or sent_id
             stage("baseline")  # before the evidence: P logs its send once it steps again after D's read
             base = self.run_baseline(prompt, max_tokens)
-            sent, handed, pulled, ev = self._nixl_evidence(rid, tokens, p_log, p_off, d_log, d_off)
+            sent, handed, pulled, ev = self._nixl_evidence(rid, tokens, p_log, p_off, d_log, d_off, m_start)
             offload = self.offload_evidence(len(tokens), o_start, p_name)
+            fs = self.fs_offload_child(rid, tokens, p_log, p_off, d_log, d_off, p_name)
             report = self._nixl_report(prompt, tokens, dec, dec, base, sent, handed, pulled, ev, offload,
-                                       p_name, d_name)
+                                       p_name, d_name, fs)
             report.request_id = rid
             report.prefill_latency_s, report.decode_latency_s = _split_latency(dec)
             report.prefill_instance, report.decode_instance = p_name, d_name
@@ -482,6 +583,19 @@ class ClusterVerifier:
             transfer_bytes=transfer_bytes(skip, send, self.info.store, pre.key),
             send_ms=send.ms if send else None,
             recv_ms=skip.ms if skip else None, children=children)
+
+
+def _served_config(log: LogPool, fallback: InstanceInfo) -> dict:
+    """The kv-transfer config of the one instance `log` reads (the instance that served a request),
+    else `fallback`'s (the role's first)."""
+    only = log.instances[0] if len(log.instances) == 1 else fallback
+    return only.kv_transfer_config or fallback.kv_transfer_config or {}
+
+
+def _one_store(cfg: object) -> Path | None:
+    """The FS directory a connector config names (the first), or None."""
+    paths = fs_storage_paths(cfg)
+    return Path(paths[0]) if paths else None
 
 
 def _server_down(url: str) -> str:

@@ -149,6 +149,8 @@ def _part_cell(c: ChildEvidence | None) -> str:
         return "-"
     if c.part == PART_TRANSFER:
         return f"sent {c.tokens:,}"
+    if c.part == PART_OFFLOAD and "saved" in c.detail:  # an FSConnector offload child
+        return f"saved {c.tokens:,}"
     if c.part == PART_OFFLOAD:
         return f"stored {c.detail.get('stored') or 0:,} retrieved {c.detail.get('retrieved') or 0:,}"
     computed = c.detail.get("computed")
@@ -162,7 +164,8 @@ def render_children(report: VerifyReport, console: Console) -> None:
     parts = [p for p in PARTS if any(r.child(p) for r in report.requests)]
     table = Table(title="each connector's evidence (tokens, from its own lines)", title_justify="left",
                   caption=(f"{PART_OFFLOAD}: the LMCache server's Stored/Retrieved lines since the request "
-                           "(counted by delta)" if PART_OFFLOAD in parts else None),
+                           "(counted by delta)" if any("stored" in c.detail for r in report.requests for c in r.children
+                                                      if c.part == PART_OFFLOAD) else None),
                   caption_justify="left", box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
     table.add_column("#", justify="right")
     for part in parts:
