@@ -12,11 +12,10 @@
     cluster_info.py  what verify needs from a cluster's state (URLs, logs, configs, store), with
                      what is not observable (no log source, store not visible) and why
     children.py      each connector's own evidence per request on a multi connector cluster:
-                     P's transfer send, P's offload Stored/Retrieved, D's load (pure)
+                     P's transfer send, P's offload child (LMCache's Stored/Retrieved, or an FS
+                     child's entry in its own dir beside NIXL), D's load (pure)
     nixl.py          NIXL's evidence per request: vLLM's own NixlConnector and scheduler lines,
                      found by the request id, and the four checks as they read for NIXL (pure)
-    children.py      what each child of a NIXL multi connector did per request: NIXL sent and
-                     pulled, the FS offload child saved the prompt in its own dir (pure)
     prompts.py       the default prompts, prompts files, the empty-prompt check
     verifier.py      the driver: ClusterVerifier (per-request steps, direct or through the
                      endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify,
