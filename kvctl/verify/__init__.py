@@ -16,6 +16,8 @@
                      child's entry in its own dir beside NIXL), D's load (pure)
     nixl.py          NIXL's evidence per request: vLLM's own NixlConnector and scheduler lines,
                      found by the request id, and the four checks as they read for NIXL (pure)
+    metrics.py       NIXL evidence from /metrics deltas around a request, where an instance's
+                     log is out of reach (attached clusters) (pure)
     prompts.py       the default prompts, prompts files, the empty-prompt check
     verifier.py      the driver: ClusterVerifier (per-request steps, direct or through the
                      endpoint, whose X-Kvctl-* headers say whose logs to read) and run_verify,
