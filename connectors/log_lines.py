@@ -7,6 +7,7 @@ patterns search, not match: a line may carry any prefix (log level, time,
 docker timestamps). Standard library only: kvctl imports this without torch.
 
     P  [rank0]: KV send DONE. key=<32 hex> tokens=<T> bytes=<n> ms=<f> gather_ms=<f>
+    P  [rank0]: KV send DROPPED. key=<hex> tokens=<T> reason=<why> (serving continues; nothing published)
     P  sent to connector <Name> (child <i>, <ms> ms)                  (MultiConnectorV0)
     PD FSConnector store keys: signing with <id>; accepting <id>[, <id>...]   (or: none (...))
     P  [rank0]: child <i> <Name> failed in send_kv_caches_and_hidden_states: <error>
@@ -46,6 +47,8 @@ _RANK = "[rank%d]: "
 KV_SEND = _RANK + KV_SEND_PHRASE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f"
 # ... or found already stored (rank, key, tokens).
 KV_SEND_STORED = _RANK + KV_SEND_PHRASE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)"
+# P: a save given up on: the store did not answer within the deadline, or is stalled (rank, key, tokens, reason).
+KV_SEND_DROPPED = _RANK + "KV send DROPPED. key=%s tokens=%d reason=%s (serving continues; nothing published)"
 # P: a publish failed (rank, key, error, "; N similar failures not logged" or "").
 KV_SEND_FAILED = _RANK + "KV send FAILED for key=%s: %s (serving continues; nothing published)%s"
 # P: what was not published, and why: a whole step (rank, problem), one request (rank,

@@ -74,11 +74,14 @@ class EntryCheck:
 
 
 def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int],
-                keys: auth.StoreKeys | None = None) -> None:
+                keys: auth.StoreKeys | None = None, *, full: bool = True) -> None:
     """Verify the entry of `identity` for exactly these tokens without loading it (rules 0-7, 9-11; 12 with keys).
 
-    Reads the header, streams the data section through the checksum (bounded
-    memory) and compares the stored token ids with the prompt's. Raises
+    Reads the header and compares the stored token ids with the prompt's;
+    `full` also streams the data section through the checksum (and, with
+    keys, the signature; bounded memory). Without it the work is bounded by the header and the token ids
+    (8 bytes a token): the scheduler's check, which decides the offer; the
+    worker's load verifies the checksum. Raises
     FileNotFoundError (miss), EntryCorrupt (invalid: the entry should be
     removed), TokensDiffer (other tokens under this key),
     auth.EntryUnauthenticated (with keys: unsigned, bad signature; left alone),
@@ -97,7 +100,8 @@ def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int],
         stored = _pread(f, header.data_start + begin, end - begin)
         if stored != raw:
             raise TokensDiffer(f"{path.name}: stored token ids differ from the prompt's")
-        fmt.verify_data(path, f, header, keys)
+        if full:
+            fmt.verify_data(path, f, header, keys)
 
 
 class TokensDiffer(fmt.StoreError):
@@ -115,9 +119,10 @@ def _pread(f, offset: int, n: int) -> bytes:
 
 
 def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int,
-               keys: auth.StoreKeys | None = None) -> EntryCheck:
+               keys: auth.StoreKeys | None = None, *, full: bool = True) -> EntryCheck:
     """The first identity (lookup_identities order) whose entries for every TP rank are valid.
 
+    `full`: as in check_entry (False: header and token ids only).
     Never raises: a miss, an invalid entry, other tokens or a read error is
     a reason. Invalid entries are returned in `corrupt` for removal.
     """
@@ -128,7 +133,7 @@ def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], t
         for rank in range(tp_size):
             ranked = rank_identity(candidate, rank)
             try:
-                check_entry(root, ranked, token_ids, keys)
+                check_entry(root, ranked, token_ids, keys, full=full)
             except FileNotFoundError:
                 problem = "miss"
             except fmt.EntryCorrupt as e:
@@ -186,6 +191,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int  # = tokens the local prefix cache already held
     end: int  # start + tokens loaded; at most len(token_ids) - 1
+    block_size: int = 0  # the plan's, set by the worker
 
 
 @dataclass
@@ -195,6 +201,8 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    block_size: int = 0  # the plan's, set by the worker
+    gather_s: float = 0.0  # how long copying it out of the cache took (set by the worker)
 
 
 @dataclass
@@ -216,3 +224,4 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests preempted before this step
