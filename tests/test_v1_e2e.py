@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -253,6 +254,21 @@ def prompt_of(words: int, seed: str = "") -> str:
     return seed + " ".join(vocab[(i * 7 + len(seed)) % len(vocab)] for i in range(words))
 
 
+DEADLINE_S = 2.0  # store_timeout_ms's default: these servers do not set it
+
+
+def pending_marker(c: Cluster, prompt: str) -> tuple[str, fmt.StoreFile]:
+    """A fresh pending marker for the KV-only entry of `prompt` (as P's save makes), made here; its key."""
+    if not fmt.scan_store(c.store).entries:
+        c.sent_key(c.prefill(prompt_of(10, "an entry to read the identity from ")))
+    identity = fmt.scan_store(c.store).entries[0].identity  # P's (KV-only, rank 0)
+    with c.d.client() as cl:
+        key = fmt.compute_key(identity, cl.tokenize_chat(user_messages(prompt)))
+    marker = fmt.create_pending(c.store, key, stale_after_s=DEADLINE_S)
+    assert marker is not None and not fmt.entry_path(c.store, key).exists()
+    return key, marker
+
+
 def perturb_kv(path: Path) -> None:
     """Rewrite an entry with its KV doubled, as a valid entry (checksum and key intact)."""
     header, data = fmt.read_entry(path)
@@ -362,6 +378,53 @@ class TestChunkedP32ToD64:
         assert not path.exists()  # removed, so P publishes it again
         assert decoded == c.chat(c.p, prompt)
 
+    def test_decode_waits_for_an_entry_being_saved(self, chunked_pair):
+        """A fresh pending marker and no entry yet: D asks again (does not recompute) until P publishes."""
+        c = chunked_pair
+        prompt = prompt_of(45, "announced ")
+        key, marker = pending_marker(c, prompt)
+        with ThreadPoolExecutor(1) as pool:
+            begin = time.monotonic()
+            decoded = pool.submit(c.chat, c.d, prompt)
+            time.sleep(0.6)  # D is waiting meanwhile: no load line yet
+            assert not [x for x in markers.kv_loads(c.d.log()) if x.key == key], c.d.log()[-2000:]
+            tokens = c.prefill(prompt)  # P publishes (the marker is not its own: it leaves it alone)
+            assert c.sent_key(tokens) == key
+            out, waited = decoded.result(timeout=60), time.monotonic() - begin
+        fmt.remove_store_file(marker)
+        load = c.load_for(key)
+        assert (load.outcome, load.loaded) == ("DONE", len(tokens) - 1), load.line
+        assert waited >= 0.6 and [x.outcome for x in markers.kv_loads(c.d.log()) if x.key == key] == ["DONE"]
+        assert out == c.chat(c.p, prompt)
+
+    def test_an_entry_never_published_is_recomputed_after_the_deadline(self, chunked_pair):
+        c = chunked_pair
+        prompt = prompt_of(45, "announced, never saved ")
+        key, marker = pending_marker(c, prompt)
+        begin = time.monotonic()
+        out = c.chat(c.d, prompt)
+        waited = time.monotonic() - begin
+        load = c.load_for(key)
+        assert load.outcome == "NONE" and load.reason.startswith(
+            "pending: its save was still under way after"), load.line
+        assert DEADLINE_S <= waited < DEADLINE_S + 10, waited
+        fmt.remove_store_file(marker)
+        assert out == c.chat(c.p, prompt)
+
+    def test_a_stale_pending_marker_is_ignored_and_removed(self, chunked_pair):
+        c = chunked_pair
+        prompt = prompt_of(45, "stale announcement ")
+        key, marker = pending_marker(c, prompt)
+        old = time.time() - 10 * DEADLINE_S  # its writer died long ago
+        os.utime(marker.path, (old, old))
+        begin = time.monotonic()
+        out = c.chat(c.d, prompt)
+        assert time.monotonic() - begin < DEADLINE_S
+        load = c.load_for(key)
+        assert (load.outcome, load.reason) == ("NONE", "miss"), load.line
+        assert not marker.path.exists()
+        assert out == c.chat(c.p, prompt)
+
     def test_decode_really_uses_the_stored_kv(self, chunked_pair):
         """Negative control: a valid entry with other KV changes D's output."""
         c = chunked_pair
@@ -470,7 +533,7 @@ conn.store, conn.identity, conn.tp_rank, conn.tp_size = fs_store.FSStore(root, f
 conn._layout = PagedCPULayout.vec(CacheGeometry(N, H, D))
 conn._layers = [(f"model.layers.{i}.attn", torch.zeros(8, H, N, 2 * D)) for i in range(LAYERS)]
 conn._bg = BackgroundTransfers(5.0, conn._load_blocking, conn._gather, conn._write, conn._log_load,
-                               conn._log_save_dropped)
+                               conn._log_save_dropped, conn._mark, conn._unmark)
 lines = []
 handler = logging.Handler()
 handler.emit = lambda record: lines.append(record.getMessage())

@@ -119,14 +119,15 @@ class StoreCallPool:
         """Threads inside a call now (stuck ones included)."""
         return self._busy
 
-    def stalled(self) -> float:
-        """How long the oldest call still running has run, in ms, when that is past the deadline; else 0."""
+    def stalled(self, after_s: float | None = None) -> float:
+        """How long the oldest call still running has run, in ms, when that is past `after_s`
+        (default: the deadline); else 0."""
         with self._lock:
             oldest = min(self._running.values(), default=None)
         if oldest is None:
             return 0.0
         age = time.monotonic() - oldest
-        return age * 1e3 if age >= self.timeout_s else 0.0
+        return age * 1e3 if age >= (self.timeout_s if after_s is None else after_s) else 0.0
 
     def threads(self) -> list[threading.Thread]:
         return list(self._threads)

@@ -11,9 +11,16 @@ vLLM's async contract (KVConnectorBase_V1), as this module keeps it:
   `kv_load_failure_policy` decides (recompute or fail). A load given up on
   can write nothing more: its scatter goes through a `WriteGate` that the
   poll closes (waiting out a layer write in progress) before reporting.
-- A save is submitted in `wait_for_save`: a copy thread gathers the
-  prompt's KV out of the paged cache (memory only, never the store), then
-  the I/O pool publishes it (atomic: temp file, fsync, rename). The
+- A save is submitted in `wait_for_save`. First its pending marker is
+  created (connectors.store.format: `.<key>.pending`, on a pool of its own so
+  that it never queues behind a write) and waited for MARK_BUDGET_S at most,
+  so it exists before the request's answer leaves: a decode instance that
+  misses the entry meanwhile sees the marker and asks again instead of
+  recomputing. A copy thread gathers the prompt's KV out of the paged cache
+  (memory only, never the store), then the I/O pool publishes it (atomic:
+  temp file, fsync, rename) and removes the marker after the rename (also
+  when the write fails or is dropped; a marker the store never let us remove
+  goes stale after the deadline, and readers ignore it). The
   scheduler's `request_finished` returned True for it, so vLLM holds the
   blocks until the poll reports the request as finished sending, which it
   does once the copy is done and vLLM has named the request finished. P's
@@ -37,6 +44,8 @@ from typing import Any, Callable
 from connectors.store.deadline import LoadAbandoned, StoreCall, StoreCallPool, StoreTimeout, WriteGate
 
 IO_THREADS = 2  # store I/O pool: loads and writes of one worker
+MARK_THREADS = 1  # pending markers: created and removed off the I/O pool (never behind a write)
+MARK_BUDGET_S = 0.05  # how long P's step waits for a save's pending marker (a create: well under 1 ms healthy)
 COPY_TIMEOUT_S = 3600.0  # the copy thread never touches the store: no deadline of its own
 MAX_PENDING_WRITES = 16  # saves waiting on the store beyond this are dropped (bounds copied memory)
 WATCHDOG_INTERVAL_S = 0.1  # how often writes are checked against their deadline
@@ -66,6 +75,7 @@ class SaveJob:
     spec: Any  # connectors.v1.transfer.SaveSpec
     copy: StoreCall
     write: StoreCall | None = None
+    mark: StoreCall | None = None  # the pending marker's creation (its value: the marker, None if not ours)
     dropped: bool = False  # given up on past its deadline
     started: float = field(default_factory=time.perf_counter)
 
@@ -74,6 +84,8 @@ class BackgroundTransfers:
     """One worker's loads and saves in flight (see the module docstring).
 
     `load_fn(spec, gate)` loads one request (writing only through `gate`);
+    `mark_fn(spec)` creates one save's pending marker and returns it (None:
+    not created by this call); `unmark_fn(marker)` removes it;
     `gather_fn(spec)` copies one prompt's KV out of the paged cache;
     `write_fn(spec, kv, job)` publishes it; `on_load(outcome)` and
     `on_save_dropped(job, error)` log. Every callable may raise; what they
@@ -81,9 +93,12 @@ class BackgroundTransfers:
     """
 
     def __init__(self, timeout_s: float, load_fn: Callable, gather_fn: Callable, write_fn: Callable,
-                 on_load: Callable[[LoadOutcome], None], on_save_dropped: Callable[[SaveJob, str], None]):
+                 on_load: Callable[[LoadOutcome], None], on_save_dropped: Callable[[SaveJob, str], None],
+                 mark_fn: Callable, unmark_fn: Callable):
         self.io = StoreCallPool("fs-store-io", IO_THREADS, timeout_s)
+        self.marker = StoreCallPool("fs-store-mark", MARK_THREADS, timeout_s)
         self.copier = StoreCallPool("fs-kv-copy", 1, COPY_TIMEOUT_S)
+        self._mark_fn, self._unmark_fn = mark_fn, unmark_fn
         self._load_fn, self._gather_fn, self._write_fn = load_fn, gather_fn, write_fn
         self._on_load, self._on_save_dropped = on_load, on_save_dropped
         self._loads: dict[str, LoadJob] = {}
@@ -132,8 +147,23 @@ class BackgroundTransfers:
 
     # ------------------------------------------------------------ saves
 
-    def start_save(self, spec: Any) -> bool:
-        """Queue the copy (then the write) of one prompt; False when dropped at once (too many writes pending)."""
+    def start_saves(self, specs: list) -> None:
+        """Queue each prompt's copy (then write), after its pending marker exists (MARK_BUDGET_S at most).
+
+        The markers of one step are created together and waited for with one
+        budget: the step ends (and the requests' answers leave) once they
+        exist or the budget is spent. A slow or hung store costs one step
+        MARK_BUDGET_S at most; while a marker's creation runs past the budget,
+        later saves do not wait for theirs.
+        """
+        jobs = [job for job in (self._start_save(spec) for spec in specs) if job is not None]
+        budget_end = time.monotonic() + MARK_BUDGET_S
+        for job in jobs:
+            if job.mark is not None:
+                job.mark.wait(max(0.0, budget_end - time.monotonic()))
+
+    def _start_save(self, spec: Any) -> SaveJob | None:
+        """Mark and queue one save; None when dropped at once (the store stalled, too many writes pending)."""
         self._reap_writes()
         stalled = self.io.stalled()
         if stalled or len(self._writes) >= MAX_PENDING_WRITES:
@@ -141,23 +171,43 @@ class BackgroundTransfers:
             self._held[spec.req_id] = job
             self._on_save_dropped(job, str(StoreTimeout(self.io.timeout_ms, stalled)) if stalled else
                                   f"{len(self._writes)} saves still wait for the store")
-            return False
+            return None
         job = SaveJob(spec, StoreCall(_done_future(None), 0.0, 0.0))
+        if not self.marker.stalled(MARK_BUDGET_S):  # else a marker creation is slow: no marker for this one
+            job.mark = self.marker.submit(self._mark_fn, spec)
         job.copy = self.copier.submit(self._copy_then_write, job)
         self._held[spec.req_id] = job
         with self._writes_lock:
             self._writes.append(job)
-        return True
+        return job
 
     def _copy_then_write(self, job: SaveJob) -> None:
-        kv = self._gather_fn(job.spec)  # the blocks are read here and nowhere later
-        if not job.dropped:
+        try:
+            kv = self._gather_fn(job.spec)  # the blocks are read here and nowhere later
+        except BaseException:
+            self.marker.submit(self._unmark, job)
+            raise
+        if job.dropped:
+            self.marker.submit(self._unmark, job)
+        else:
             job.write = self.io.submit(self._write_unless_dropped, job, kv)
 
     def _write_unless_dropped(self, job: SaveJob, kv: Any) -> Any:
-        if job.dropped:
-            return None
-        return self._write_fn(job.spec, kv, job)
+        try:
+            if job.dropped:
+                return None
+            return self._write_fn(job.spec, kv, job)
+        finally:
+            self._unmark(job)  # after the rename (or the failure): a reader finds the entry, or nothing
+
+    def _unmark(self, job: SaveJob) -> None:
+        """Remove the save's pending marker, if its creation made one (waiting for that, to its deadline)."""
+        mark, job.mark = job.mark, None
+        if mark is None or not mark.wait() or mark.future.cancelled() or mark.future.exception() is not None:
+            return
+        marker = mark.future.result()
+        if marker is not None:
+            self._unmark_fn(marker)
 
     def wait_copied(self, req_ids: set[str]) -> None:
         """Block until these requests' copies are done (their blocks are about to be reused: preemption)."""
@@ -200,6 +250,8 @@ class BackgroundTransfers:
             if job.write is not None and job.write.expired(now):
                 job.dropped = True
                 self._on_save_dropped(job, str(job.write.give_up()))
+                if job.write.future.cancelled():  # never started: nothing else removes its marker
+                    self.marker.submit(self._unmark, job)
                 continue
             pending.append(job)
         self._writes = pending
@@ -224,6 +276,7 @@ class BackgroundTransfers:
         for job in self._loads.values():
             job.gate.close()
         self.io.shutdown()
+        self.marker.shutdown()
         self.copier.shutdown()
 
 

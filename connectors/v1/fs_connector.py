@@ -17,6 +17,12 @@ with a deadline, ``store_timeout_ms``.
   past its deadline, or asked while the store is stalled (a call stuck past its
   deadline), offers nothing: the prompt is recomputed, logged "the store did
   not answer within N ms". An invalid entry is removed so P publishes it again.
+  A missing entry whose pending marker is fresh (P has answered, its save is
+  under way: connectors.v1.background) is waited for: None ("ask again",
+  looked up again every PENDING_POLL_S) until the entry appears, the marker
+  goes, or ``store_timeout_ms`` has passed since this request first saw it
+  (then recomputed, logged "pending: its save was still under way after N
+  ms"). A stale marker (older than the deadline) counts for nothing.
 - `update_state_after_alloc`: records the load (positions [local hit,
   local hit + offered), into the request's blocks) or why nothing is loaded.
 - `build_connector_meta`: per step, the loads and skips recorded above and,
@@ -40,11 +46,13 @@ Worker side (one instance per worker; connectors.v1.background):
   failed blocks in the same step (the gate closed first), and vLLM's
   `kv_load_failure_policy` decides (recompute or fail the request): nothing
   from a failed load is served.
-- `wait_for_save`: submits each completed prompt's save: a copy thread
-  gathers every layer's KV out of the blocks, the I/O pool publishes it
-  (atomic; nothing for a prompt already stored); `get_finished` reports the
-  request finished sending once copied. A write past its deadline is dropped
-  (logged ``KV send DROPPED.``).
+- `wait_for_save`: submits each completed prompt's save. Its pending marker
+  is created first (waited for 50 ms at most: it exists before the answer
+  leaves); a copy thread gathers every layer's KV out of the blocks, the I/O
+  pool publishes it (atomic; nothing for a prompt already stored) and then
+  removes the marker; `get_finished` reports the request finished sending
+  once copied. A write past its deadline is dropped (logged ``KV send
+  DROPPED.``).
 
 Log lines (INFO, "vllm.kvctl.fs_connector"; operators grep the substrings; their
 text is connectors.log_lines): P logs `KV send DONE.` per stored prompt (or `KV
@@ -107,6 +115,7 @@ logger = get_logger(__name__)
 
 LOOKUP_THREADS = 2  # the scheduler's store lookups run here, never on its own thread
 LOOKUP_BUDGET_S = 0.002  # how long one get_num_new_matched_tokens call waits for its lookup
+PENDING_POLL_S = 0.005  # an entry being saved (pending marker) is looked up again this often at most
 
 
 @dataclass
@@ -167,6 +176,7 @@ class FSConnector(KVConnectorBase_V1):
         self._pending: dict[str, _Pending] = {}
         self._prompts: dict[str, "Request"] = {}
         self._lookups: dict = {}  # req_id -> StoreCall of a lookup still running
+        self._saves_awaited: dict[str, tuple[float, float]] = {}  # req_id -> (first, last) pending sighting
         self._saving: set[str] = set()  # requests whose save a plan carried: request_finished holds their blocks
         self._lookup_pool = (StoreCallPool("fs-store-lookup", LOOKUP_THREADS, self.timeout_s)
                              if role == KVConnectorRole.SCHEDULER and self.is_consumer else None)
@@ -175,7 +185,7 @@ class FSConnector(KVConnectorBase_V1):
         self._layout = None
         self._send_failures = SendFailureLog(logger)
         self._bg = (BackgroundTransfers(self.timeout_s, self._load_blocking, self._gather, self._write,
-                                        self._log_load, self._log_save_dropped)
+                                        self._log_load, self._log_save_dropped, self._mark, self._unmark)
                     if role == KVConnectorRole.WORKER else None)
         if role == KVConnectorRole.SCHEDULER:
             logger.info("FSConnector (V1) ready: role=%s store=%s model=%s layers=%d kv_heads=%d "
@@ -196,7 +206,9 @@ class FSConnector(KVConnectorBase_V1):
         runs on the lookup pool; this call waits for it LOOKUP_BUDGET_S at
         most and answers None ("ask again": vLLM schedules other requests
         meanwhile) while it runs, 0 once it is past its deadline (the prompt
-        is recomputed, logged with the reason).
+        is recomputed, logged with the reason). An entry being saved (a fresh
+        pending marker, no entry yet) is None too, for the store deadline at
+        most from the first time this request found it so.
         """
         if not self.is_consumer:
             return 0, False
@@ -212,14 +224,38 @@ class FSConnector(KVConnectorBase_V1):
         else:
             previous = self._asked.get(req_id)  # vLLM asks again while the request waits for blocks
             found = previous is not None and previous[1] is not None and previous[1].found
-            check = previous[1] if found else self._lookup(req_id, tokens)
+            if found:
+                check = previous[1]
+            elif self._look_again_later(req_id):
+                return None, False  # its entry is being saved: looked at again shortly
+            else:
+                check = self._lookup(req_id, tokens)
             if check is None:
                 return None, False  # the lookup is still running: vLLM asks again next step
             reason = check.reason
+            if check.pending:
+                waited = self._waited_for_save(req_id)
+                if waited < self.timeout_s:
+                    return None, False  # P's save of it is under way: vLLM asks again next step
+                reason = (f"pending: its save was still under way after {waited * 1e3:.0f} ms "
+                          f"(store_timeout_ms {self.settings.store_timeout_ms})")
+        self._saves_awaited.pop(req_id, None)
         self._asked[req_id] = (num_computed_tokens, check, reason)
         if check is None or not check.found:
             return 0, False
         return transfer.tokens_to_load(len(tokens), num_computed_tokens), True
+
+    def _waited_for_save(self, req_id: str) -> float:
+        """Seconds since this request first found its entry pending (D's own clock)."""
+        now = time.monotonic()
+        first, _ = self._saves_awaited.get(req_id, (now, now))
+        self._saves_awaited[req_id] = (first, now)
+        return now - first
+
+    def _look_again_later(self, req_id: str) -> bool:
+        """True while a request whose entry is pending was looked up less than PENDING_POLL_S ago."""
+        awaited = self._saves_awaited.get(req_id)
+        return awaited is not None and time.monotonic() - awaited[1] < PENDING_POLL_S
 
     def _lookup(self, req_id: str, tokens: list[int]) -> transfer.EntryCheck | None:
         """The lookup's verdict, None while it runs; a lookup past its deadline is a miss with that reason."""
@@ -243,7 +279,8 @@ class FSConnector(KVConnectorBase_V1):
     def _find(self, tokens: list[int]) -> transfer.EntryCheck:
         """Header and token ids of every rank's entry (the checksum is the worker's, as it loads)."""
         identity = transfer.rank_identity(self.identity, 0)
-        check = transfer.find_entry(self.root, identity, tokens, self.tp_size, self.keys, full=False)
+        check = transfer.find_entry(self.root, identity, tokens, self.tp_size, self.keys, full=False,
+                                    pending_s=self.timeout_s)
         for error in check.corrupt:
             _remove_corrupt(self.store, error)
         return check
@@ -310,6 +347,7 @@ class FSConnector(KVConnectorBase_V1):
         self._prompts.pop(req_id, None)
         self._asked.pop(req_id, None)
         self._pending.pop(req_id, None)
+        self._saves_awaited.pop(req_id, None)
         lookup = self._lookups.pop(req_id, None)
         if lookup is not None:
             lookup.give_up()
@@ -418,7 +456,29 @@ class FSConnector(KVConnectorBase_V1):
             return
         for save in plan.saves:
             save.block_size = plan.block_size
-            self._bg.start_save(save)
+        self._bg.start_saves(plan.saves)
+
+    def _mark(self, save: SaveSpec) -> fmt.StoreFile | None:
+        """On the marker pool: this rank's pending marker for the prompt; None when not created here.
+
+        A decode instance that misses the entry while the marker is fresh asks
+        again instead of recomputing. Without it (the store refused it) the
+        save goes on: such a reader may miss the entry until it is published.
+        """
+        key = fmt.compute_key(self._rank_identity(kv_only=True), save.token_ids)
+        try:
+            return fmt.create_pending(self.root, key, stale_after_s=self.timeout_s)
+        except (OSError, fmt.StoreError) as e:
+            logger.warning("FSConnector: no pending marker for %s (a reader may miss the entry until it is "
+                           "published): %s", key, e)
+            return None
+
+    def _unmark(self, marker: fmt.StoreFile) -> None:
+        """Remove a pending marker this worker created (after its entry's rename, or once its save ended)."""
+        try:
+            fmt.remove_store_file(marker, unchanged=True)
+        except OSError as e:  # it goes stale after the deadline: readers then ignore it
+            logger.warning("FSConnector: could not remove pending marker %s: %s", marker.name, e)
 
     def _gather(self, save: SaveSpec) -> torch.Tensor:
         """On the copy thread: the prompt's KV out of its blocks (after this, vLLM may reuse them)."""

@@ -67,6 +67,7 @@ class EntryCheck:
     reason: str  # "" when found; else why nothing is loaded (miss, corrupt: ..., ...)
     kv_only: bool = True  # `key` is of the KV-only identity (a V1 producer's entry)
     corrupt: tuple[fmt.EntryCorrupt, ...] = ()  # entries proven invalid (the caller removes them)
+    pending: bool = False  # missing, but a fresh pending marker says its save is under way
 
     @property
     def found(self) -> bool:
@@ -119,42 +120,88 @@ def _pread(f, offset: int, n: int) -> bytes:
 
 
 def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int,
-               keys: auth.StoreKeys | None = None, *, full: bool = True) -> EntryCheck:
+               keys: auth.StoreKeys | None = None, *, full: bool = True,
+               pending_s: float | None = None) -> EntryCheck:
     """The first identity (lookup_identities order) whose entries for every TP rank are valid.
 
     `full`: as in check_entry (False: header and token ids only).
+    `pending_s`: when nothing is found and the KV-only entry (a V1 producer's)
+    is missing, look at its pending marker: one younger than `pending_s`
+    makes the check `pending` (the entry is being saved: ask again); an older
+    one is stale, removed and ignored. Without a marker the entry is looked
+    up once more (its writer removes the marker after the rename, so the
+    entry may have appeared between the two looks). A hit costs nothing
+    extra; a miss costs two more lookups of names that are not there.
     Never raises: a miss, an invalid entry, other tokens or a read error is
     a reason. Invalid entries are returned in `corrupt` for removal.
     """
     reasons, corrupt = [], []
     for candidate in lookup_identities(identity):
-        key = fmt.compute_key(candidate, token_ids)
-        problem = None
-        for rank in range(tp_size):
-            ranked = rank_identity(candidate, rank)
-            try:
-                check_entry(root, ranked, token_ids, keys, full=full)
-            except FileNotFoundError:
-                problem = "miss"
-            except fmt.EntryCorrupt as e:
-                corrupt.append(e)
-                problem = f"corrupt: {e.reason}"
-            except TokensDiffer:
-                problem = "token mismatch"
-            except auth.EntryUnauthenticated as e:  # another writer's entry: refused, never removed
-                problem = f"refused: {e.reason}"
-            except OSError as e:
-                problem = f"unreadable: {e.strerror or e}"
-            if problem:
-                if tp_size > 1:
-                    problem += f" (tp rank {rank})"
-                break
+        problem, rank = _check_ranks(root, candidate, token_ids, tp_size, keys, full, corrupt)
         if problem is None:
-            return EntryCheck(candidate, key, "", is_kv_only(candidate), tuple(corrupt))
-        reasons.append((key, problem, is_kv_only(candidate), rank))
+            return EntryCheck(candidate, fmt.compute_key(candidate, token_ids), "", is_kv_only(candidate),
+                              tuple(corrupt))
+        reasons.append((fmt.compute_key(candidate, token_ids), problem, is_kv_only(candidate), rank))
+    own_key, own_problem, _, own_rank = reasons[0]  # the KV-only candidate
+    if pending_s is not None and own_problem.startswith("miss"):
+        ranked = rank_identity(lookup_identities(identity)[0], own_rank)
+        age = _pending_age(root, fmt.compute_key(ranked, token_ids), pending_s)
+        if age is not None:
+            why = f"pending: its save is under way (marker {age * 1e3:.0f} ms old)"
+            return EntryCheck(None, own_key, why, True, tuple(corrupt), pending=True)
+        candidate = lookup_identities(identity)[0]
+        if _check_ranks(root, candidate, token_ids, tp_size, keys, full, corrupt)[0] is None:
+            return EntryCheck(candidate, own_key, "", True, tuple(corrupt))
     # Report the most telling reason: a damaged entry over a miss, a partial miss over a plain one.
     key, reason, kv_only, _ = min(reasons, key=lambda r: (r[1].startswith("miss"), -r[3]))
     return EntryCheck(None, key, reason, kv_only, tuple(corrupt))
+
+
+def _check_ranks(root: Path, candidate: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int,
+                 keys: auth.StoreKeys | None, full: bool, corrupt: list) -> tuple[str | None, int]:
+    """(None, last rank) when every rank's entry of `candidate` is valid, else (why not, the rank)."""
+    problem, rank = None, 0
+    for rank in range(tp_size):
+        try:
+            check_entry(root, rank_identity(candidate, rank), token_ids, keys, full=full)
+        except FileNotFoundError:
+            problem = "miss"
+        except fmt.EntryCorrupt as e:
+            corrupt.append(e)
+            problem = f"corrupt: {e.reason}"
+        except TokensDiffer:
+            problem = "token mismatch"
+        except auth.EntryUnauthenticated as e:  # another writer's entry: refused, never removed
+            problem = f"refused: {e.reason}"
+        except OSError as e:
+            problem = f"unreadable: {e.strerror or e}"
+        if problem:
+            if tp_size > 1:
+                problem += f" (tp rank {rank})"
+            break
+    return problem, rank
+
+
+def _pending_age(root: Path, key: str, fresh_s: float) -> float | None:
+    """Age (s) of `key`'s pending marker when younger than `fresh_s`; None when there is none or it is stale.
+
+    A stale marker (a dead or stuck writer's) is removed, best effort. A
+    marker that cannot be looked at counts as none.
+    """
+    try:
+        marker = fmt.find_pending(root, key)
+    except OSError:
+        return None
+    if marker is None:
+        return None
+    age = fmt.pending_age(marker)
+    if age < fresh_s:
+        return max(age, 0.0)
+    try:
+        fmt.remove_store_file(marker, unchanged=True)
+    except OSError:
+        pass
+    return None
 
 
 def tokens_to_load(prompt_len: int, num_computed: int) -> int:
