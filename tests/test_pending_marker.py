@@ -207,6 +207,15 @@ class Saves:
         publish(self.root, IDENT, spec.token_ids)
         self.written.append(spec.req_id)
 
+    def close(self) -> None:
+        """Release the writes, shut the pools down and wait until every thread of theirs has exited."""
+        self.release.set()
+        self.bg.shutdown()
+        threads = self.bg.io.threads() + self.bg.marker.threads() + self.bg.copier.threads() + [self.bg._watchdog]
+        for t in threads:
+            t.join(10)
+        assert not [t.name for t in threads if t.is_alive()]
+
     def marker(self, spec: SaveSpec) -> Path:
         return fmt.pending_path(self.root, self.key(spec))
 
@@ -231,7 +240,7 @@ def test_the_marker_exists_when_the_step_ends_and_goes_after_the_rename(tmp_path
     saves.release.set()
     assert saves.wait_gone(marker)
     assert fmt.entry_path(tmp_path, saves.key(s)).exists() and saves.written == ["r1"]
-    saves.bg.shutdown()
+    saves.close()
 
 
 def test_a_failed_write_removes_its_marker(tmp_path):
@@ -241,7 +250,7 @@ def test_a_failed_write_removes_its_marker(tmp_path):
     assert saves.marker(s).exists()
     saves.release.set()
     assert saves.wait_gone(saves.marker(s)) and not saves.written
-    saves.bg.shutdown()
+    saves.close()
 
 
 def test_a_failed_copy_removes_its_marker(tmp_path):
@@ -252,7 +261,7 @@ def test_a_failed_copy_removes_its_marker(tmp_path):
     s = spec("r1")
     saves.bg.start_saves([s])
     assert saves.wait_gone(saves.marker(s))
-    saves.bg.shutdown()
+    saves.close()
 
 
 def test_a_write_dropped_before_it_started_removes_its_marker(tmp_path, monkeypatch):
@@ -268,7 +277,7 @@ def test_a_write_dropped_before_it_started_removes_its_marker(tmp_path, monkeypa
     assert saves.marker(specs[0]).exists()  # a write still running keeps its marker until it returns
     saves.release.set()
     assert saves.wait_gone(saves.marker(specs[0])) and saves.wait_gone(saves.marker(specs[1]))
-    saves.bg.shutdown()
+    saves.close()
 
 
 def test_a_hung_marker_costs_one_step_the_budget_and_later_steps_nothing(tmp_path):
@@ -290,7 +299,7 @@ def test_a_hung_marker_costs_one_step_the_budget_and_later_steps_nothing(tmp_pat
     assert later < background.MARK_BUDGET_S / 2, later  # a marker creation is slow: not waited behind
     hang.set()
     saves.release.set()
-    saves.bg.shutdown()
+    saves.close()
 
 
 def test_one_budget_for_a_step_of_several_saves(tmp_path):
@@ -303,4 +312,4 @@ def test_one_budget_for_a_step_of_several_saves(tmp_path):
     saves.bg.start_saves([spec(f"r{i}", [i, i + 1]) for i in range(4)])
     assert time.monotonic() - begin < background.MARK_BUDGET_S + 0.1
     saves.release.set()
-    saves.bg.shutdown()
+    saves.close()
