@@ -67,6 +67,9 @@ KV_LOAD_DONE = (_RANK + "KV load DONE. req=%s key=%s prompt_tokens=%d loaded=%d 
 # (rank, req, key, prompt_tokens, computed, prefix_cached, reason)
 KV_LOAD_NONE = (_RANK + "KV load NONE. req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
                 "prefix_cached=%d reason=%s")
+# The scheduler waited for an entry whose save was under way (a pending marker): (rank, req, key, ms, how
+# it ended).
+KV_LOAD_WAITED = _RANK + "KV load WAITED. req=%s key=%s waited_ms=%.1f for its save under way: %s"
 # (rank, req, key, prompt_tokens, computed, prefix_cached, reason, failed blocks)
 KV_LOAD_FAILED = (_RANK + "KV load FAILED. req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
                   "prefix_cached=%d reason=%s; %d blocks reported to vLLM as failed "

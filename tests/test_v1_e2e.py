@@ -395,6 +395,8 @@ class TestChunkedP32ToD64:
         load = c.load_for(key)
         assert (load.outcome, load.loaded) == ("DONE", len(tokens) - 1), load.line
         assert waited >= 0.6 and [x.outcome for x in markers.kv_loads(c.d.log()) if x.key == key] == ["DONE"]
+        waits = [line for line in c.d.log().splitlines() if "KV load WAITED." in line and key in line]
+        assert len(waits) == 1 and waits[0].endswith("for its save under way: published"), waits
         assert out == c.chat(c.p, prompt)
 
     def test_an_entry_never_published_is_recomputed_after_the_deadline(self, chunked_pair):
@@ -408,6 +410,7 @@ class TestChunkedP32ToD64:
         assert load.outcome == "NONE" and load.reason.startswith(
             "pending: its save was still under way after"), load.line
         assert DEADLINE_S <= waited < DEADLINE_S + 10, waited
+        assert f"key={key} waited_ms=" in c.d.log() and "still under way at the deadline" in c.d.log()
         fmt.remove_store_file(marker)
         assert out == c.chat(c.p, prompt)
 

@@ -239,7 +239,13 @@ class FSConnector(KVConnectorBase_V1):
                     return None, False  # P's save of it is under way: vLLM asks again next step
                 reason = (f"pending: its save was still under way after {waited * 1e3:.0f} ms "
                           f"(store_timeout_ms {self.settings.store_timeout_ms})")
-        self._saves_awaited.pop(req_id, None)
+        awaited = self._saves_awaited.pop(req_id, None)
+        if awaited is not None:
+            ended = ("published" if check is not None and check.found else
+                     "still under way at the deadline" if check is not None and check.pending else
+                     f"not published ({reason})")
+            logger.info(log_lines.KV_LOAD_WAITED, 0, req_id, check.key if check is not None else "-",
+                        (time.monotonic() - awaited[0]) * 1e3, ended)
         self._asked[req_id] = (num_computed_tokens, check, reason)
         if check is None or not check.found:
             return 0, False
