@@ -127,6 +127,11 @@ def test_v1_verify_passes_under_concurrency_8(kvctl_v1, v1_cluster):
     for req in doc["requests"]:
         loaded, _, prompt, cached = _v1_load_evidence(req)
         assert loaded == prompt - 1 - cached, req
+    d_log = Path(v1_cluster["instances"]["decode"]["log_path"]).read_text(errors="replace")
+    waits = [line for line in d_log.splitlines() if "KV load WAITED." in line]
+    assert all(line.endswith(": published") for line in waits), waits
+    print(f"verify --concurrency 8: {len(waits)} of 16 requests waited for an entry being saved: "
+          + "; ".join(line.split("KV load WAITED. ")[1] for line in waits))
 
 
 @pytest.fixture(scope="module")
