@@ -104,7 +104,7 @@ def test_a_stale_marker_is_a_miss_and_is_removed(tmp_path):
     marker = fmt.create_pending(tmp_path, fmt.compute_key(own, TOKENS), stale_after_s=2.0)
     age(marker.path, 3.0)
     check = transfer.find_entry(tmp_path, IDENT, TOKENS, 1, pending_s=2.0)
-    assert not check.pending and check.reason == "miss"
+    assert not check.pending and check.reason.startswith("miss (its pending marker was stale, 3.0 s old"), check
     assert not marker.path.exists()
 
 

@@ -128,7 +128,7 @@ def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], t
     `pending_s`: when nothing is found and the KV-only entry (a V1 producer's)
     is missing, look at its pending marker: one younger than `pending_s`
     makes the check `pending` (the entry is being saved: ask again); an older
-    one is stale, removed and ignored. Without a marker the entry is looked
+    one is stale: removed, and the miss's reason says so. Without a marker the entry is looked
     up once more (its writer removes the marker after the rename, so the
     entry may have appeared between the two looks). A hit costs nothing
     extra; a miss costs two more lookups of names that are not there.
@@ -145,13 +145,16 @@ def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], t
     own_key, own_problem, _, own_rank = reasons[0]  # the KV-only candidate
     if pending_s is not None and own_problem.startswith("miss"):
         ranked = rank_identity(lookup_identities(identity)[0], own_rank)
-        age = _pending_age(root, fmt.compute_key(ranked, token_ids), pending_s)
-        if age is not None:
-            why = f"pending: its save is under way (marker {age * 1e3:.0f} ms old)"
+        marker = _pending_marker(root, fmt.compute_key(ranked, token_ids), pending_s)
+        if marker is not None and marker[0]:
+            why = f"pending: its save is under way (marker {marker[1] * 1e3:.0f} ms old)"
             return EntryCheck(None, own_key, why, True, tuple(corrupt), pending=True)
         candidate = lookup_identities(identity)[0]
         if _check_ranks(root, candidate, token_ids, tp_size, keys, full, corrupt)[0] is None:
             return EntryCheck(candidate, own_key, "", True, tuple(corrupt))
+        if marker is not None:
+            reasons[0] = (own_key, f"{own_problem} (its pending marker was stale, {marker[1]:.1f} s old: "
+                                   f"no save behind it; removed)", True, own_rank)
     # Report the most telling reason: a damaged entry over a miss, a partial miss over a plain one.
     key, reason, kv_only, _ = min(reasons, key=lambda r: (r[1].startswith("miss"), -r[3]))
     return EntryCheck(None, key, reason, kv_only, tuple(corrupt))
@@ -182,8 +185,8 @@ def _check_ranks(root: Path, candidate: fmt.KVIdentity, token_ids: Sequence[int]
     return problem, rank
 
 
-def _pending_age(root: Path, key: str, fresh_s: float) -> float | None:
-    """Age (s) of `key`'s pending marker when younger than `fresh_s`; None when there is none or it is stale.
+def _pending_marker(root: Path, key: str, fresh_s: float) -> tuple[bool, float] | None:
+    """(fresh, age in s) of `key`'s pending marker: fresh when younger than `fresh_s`; None when there is none.
 
     A stale marker (a dead or stuck writer's) is removed, best effort. A
     marker that cannot be looked at counts as none.
@@ -196,12 +199,12 @@ def _pending_age(root: Path, key: str, fresh_s: float) -> float | None:
         return None
     age = fmt.pending_age(marker)
     if age < fresh_s:
-        return max(age, 0.0)
+        return True, max(age, 0.0)
     try:
         fmt.remove_store_file(marker, unchanged=True)
     except OSError:
         pass
-    return None
+    return False, age
 
 
 def tokens_to_load(prompt_len: int, num_computed: int) -> int:
