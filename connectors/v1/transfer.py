@@ -144,12 +144,13 @@ def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], t
         reasons.append((fmt.compute_key(candidate, token_ids), problem, is_kv_only(candidate), rank))
     own_key, own_problem, _, own_rank = reasons[0]  # the KV-only candidate
     if pending_s is not None and own_problem.startswith("miss"):
-        ranked = rank_identity(lookup_identities(identity)[0], own_rank)
-        marker = _pending_marker(root, fmt.compute_key(ranked, token_ids), pending_s)
+        candidate = lookup_identities(identity)[0]
+        marker_key = (own_key if own_rank == candidate.tp_rank else
+                      fmt.compute_key(rank_identity(candidate, own_rank), token_ids))
+        marker = _pending_marker(root, marker_key, pending_s)
         if marker is not None and marker[0]:
             why = f"pending: its save is under way (marker {marker[1] * 1e3:.0f} ms old)"
             return EntryCheck(None, own_key, why, True, tuple(corrupt), pending=True)
-        candidate = lookup_identities(identity)[0]
         if _check_ranks(root, candidate, token_ids, tp_size, keys, full, corrupt)[0] is None:
             return EntryCheck(candidate, own_key, "", True, tuple(corrupt))
         if marker is not None:
