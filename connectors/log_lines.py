@@ -16,6 +16,7 @@ docker timestamps). Standard library only: kvctl imports this without torch.
     D  [rank0]: KV load DONE. req=<id> key=<hex> prompt_tokens=<T> loaded=<n> computed=<c> prefix_cached=<p> bytes=<n> ms=<f>
     D  [rank0]: KV load NONE. req=<id> key=<hex> prompt_tokens=<T> loaded=0 computed=<c> prefix_cached=<p> reason=<why>
     D  [rank0]: KV load FAILED. req=<id> key=<hex> ... reason=<why>
+    D  [rank0]: KV load WAITED. req=<id> key=<hex> waited_ms=<f> for its save under way: <how it ended>
 
 The V1 FSConnector logs the KV load lines (once per request on D) and never the
 skip/redo lines (D always computes at least the last prompt token). The
