@@ -82,7 +82,8 @@ demo: rig real-model
 # lock): side by side they save minutes on a fresh machine.
 test: test-env
 	$(MAKE) -j2 docker-ready rig-v1 real-model sshfs-ready
-	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 KVCTL_REQUIRE_SSHFS=1 \
+	bash scripts/ensure-fuse.sh
+	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 KVCTL_REQUIRE_SSHFS=1 KVCTL_REQUIRE_FUSE=1 \
 	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider --durations=25 $(PYTEST_ARGS) tests
 
 # Everything that needs neither vLLM servers nor docker.

@@ -7,6 +7,7 @@ patterns search, not match: a line may carry any prefix (log level, time,
 docker timestamps). Standard library only: kvctl imports this without torch.
 
     P  [rank0]: KV send DONE. key=<32 hex> tokens=<T> bytes=<n> ms=<f> gather_ms=<f>
+    P  [rank0]: KV send DROPPED. key=<hex> tokens=<T> reason=<why> (serving continues; nothing published)
     P  sent to connector <Name> (child <i>, <ms> ms)                  (MultiConnectorV0)
     PD FSConnector store keys: signing with <id>; accepting <id>[, <id>...]   (or: none (...))
     P  [rank0]: child <i> <Name> failed in send_kv_caches_and_hidden_states: <error>
@@ -15,6 +16,7 @@ docker timestamps). Standard library only: kvctl imports this without torch.
     D  [rank0]: KV load DONE. req=<id> key=<hex> prompt_tokens=<T> loaded=<n> computed=<c> prefix_cached=<p> bytes=<n> ms=<f>
     D  [rank0]: KV load NONE. req=<id> key=<hex> prompt_tokens=<T> loaded=0 computed=<c> prefix_cached=<p> reason=<why>
     D  [rank0]: KV load FAILED. req=<id> key=<hex> ... reason=<why>
+    D  [rank0]: KV load WAITED. req=<id> key=<hex> waited_ms=<f> for its save under way: <how it ended>
 
 The V1 FSConnector logs the KV load lines (once per request on D) and never the
 skip/redo lines (D always computes at least the last prompt token). The
@@ -46,6 +48,8 @@ _RANK = "[rank%d]: "
 KV_SEND = _RANK + KV_SEND_PHRASE + " key=%s tokens=%d bytes=%d ms=%.1f gather_ms=%.1f"
 # ... or found already stored (rank, key, tokens).
 KV_SEND_STORED = _RANK + KV_SEND_PHRASE + " key=%s tokens=%d bytes=0 ms=0.0 (already stored)"
+# P: a save given up on: the store did not answer within the deadline, or is stalled (rank, key, tokens, reason).
+KV_SEND_DROPPED = _RANK + "KV send DROPPED. key=%s tokens=%d reason=%s (serving continues; nothing published)"
 # P: a publish failed (rank, key, error, "; N similar failures not logged" or "").
 KV_SEND_FAILED = _RANK + "KV send FAILED for key=%s: %s (serving continues; nothing published)%s"
 # P: what was not published, and why: a whole step (rank, problem), one request (rank,
@@ -64,6 +68,9 @@ KV_LOAD_DONE = (_RANK + "KV load DONE. req=%s key=%s prompt_tokens=%d loaded=%d 
 # (rank, req, key, prompt_tokens, computed, prefix_cached, reason)
 KV_LOAD_NONE = (_RANK + "KV load NONE. req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
                 "prefix_cached=%d reason=%s")
+# The scheduler waited for an entry whose save was under way (a pending marker): (rank, req, key, ms, how
+# it ended).
+KV_LOAD_WAITED = _RANK + "KV load WAITED. req=%s key=%s waited_ms=%.1f for its save under way: %s"
 # (rank, req, key, prompt_tokens, computed, prefix_cached, reason, failed blocks)
 KV_LOAD_FAILED = (_RANK + "KV load FAILED. req=%s key=%s prompt_tokens=%d loaded=0 computed=%d "
                   "prefix_cached=%d reason=%s; %d blocks reported to vLLM as failed "

@@ -16,6 +16,7 @@ import pytest
 import torch
 import vllm  # noqa: F401  (runs in the rig; a missing vLLM must fail, not skip)
 
+from connectors.store.deadline import StoreCallPool
 from connectors.logs import SendFailureLog
 from connectors.store import format as fmt
 from connectors.store.fs_store import FSStore
@@ -50,6 +51,7 @@ def fs_connector(root) -> FSConnector:
     """A bound FSConnector (producer) on a real store, without a vLLM config."""
     root.mkdir()
     c = FSConnector.__new__(FSConnector)
+    c._io = StoreCallPool("fs-store-io", 2, 5.0)  # what __init__ sets up (store_timeout_ms)
     c.rank, c.store, c.num_layers, c.geometry = 0, FSStore(root), LAYERS, G
     c.hidden_size, c.hidden_dtype = HIDDEN, torch.float32
     c._identity, c._layout = IDENT, PagedAttentionLayout(G)

@@ -16,6 +16,7 @@ import pytest
 import torch
 import vllm  # noqa: F401  (runs in the rig; a missing vLLM must fail, not skip)
 
+from connectors.store.deadline import StoreCallPool
 from connectors.config.validate import ConfigError
 from connectors.logs import SendFailureLog
 from connectors.store import format as fmt
@@ -54,6 +55,7 @@ def model_input(prompts: list[list[int]], lora_ids: list[int] | None = None, **e
 def connector(tmp_path) -> FSConnector:
     """A bound FSConnector (producer and consumer) on a real store, without a vLLM config."""
     c = FSConnector.__new__(FSConnector)
+    c._io = StoreCallPool("fs-store-io", 2, 5.0)  # what __init__ sets up (store_timeout_ms)
     c.rank, c.store, c.num_layers, c.geometry = 0, FSStore(tmp_path / "store"), LAYERS, G
     c.hidden_size, c.hidden_dtype = HIDDEN, torch.float32
     (tmp_path / "store").mkdir()

@@ -6,7 +6,8 @@ finds it). One module-scoped cluster per shape, each holding the run-wide vLLM s
 
 - V1 P and D with V1's defaults (prefix caching, chunked prefill) and different
   block sizes (P 32, D 64): verify passes all four checks for every prompt,
-  decode_skipped_forward on the V1 `KV load DONE.` counts;
+  decode_skipped_forward on the V1 `KV load DONE.` counts; the same under
+  `verify --concurrency 8` (async saves: D waits for entries still being saved);
 - V0 P -> V1 D on one store (the "upgrade the decode pool first" path).
 
 cluster.json records each instance's engine. A V1 server takes ~50 s to start here.
@@ -72,8 +73,8 @@ def _down(run: Kvctl, state: dict) -> None:
     assert not [p for p in pids if pid_alive(p)], f"servers left running: {pids}"
 
 
-def _verify_passes(run: Kvctl, name: str) -> dict:
-    res = run("verify", "--name", name, "--json", timeout=VERIFY_TIMEOUT_S)
+def _verify_passes(run: Kvctl, name: str, *args: str) -> dict:
+    res = run("verify", "--name", name, "--json", *args, timeout=VERIFY_TIMEOUT_S)
     assert res.rc == 0, res
     doc = json.loads(res.stdout)
     assert doc["passed"] is True and doc["requests"]
@@ -115,6 +116,22 @@ def test_v1_verify_passes_with_block_size_mismatch(kvctl_v1, v1_cluster):
     doc = _verify_passes(kvctl_v1, v1_cluster["name"])
     for req in doc["requests"]:
         _v1_load_evidence(req)
+
+
+def test_v1_verify_passes_under_concurrency_8(kvctl_v1, v1_cluster):
+    """Eight clients at once through the router: P answers while its saves are still being written
+    (async), D waits for the entries their pending markers announce, and loads every one."""
+    doc = _verify_passes(kvctl_v1, v1_cluster["name"], "--requests", "16", "--concurrency", "8",
+                         "--max-tokens", "4")
+    assert len(doc["requests"]) == 16
+    for req in doc["requests"]:
+        loaded, _, prompt, cached = _v1_load_evidence(req)
+        assert loaded == prompt - 1 - cached, req
+    d_log = Path(v1_cluster["instances"]["decode"]["log_path"]).read_text(errors="replace")
+    waits = [line for line in d_log.splitlines() if "KV load WAITED." in line]
+    assert all(line.endswith(": published") for line in waits), waits
+    print(f"verify --concurrency 8: {len(waits)} of 16 requests waited for an entry being saved: "
+          + "; ".join(line.split("KV load WAITED. ")[1] for line in waits))
 
 
 @pytest.fixture(scope="module")

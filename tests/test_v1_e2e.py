@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -253,6 +254,21 @@ def prompt_of(words: int, seed: str = "") -> str:
     return seed + " ".join(vocab[(i * 7 + len(seed)) % len(vocab)] for i in range(words))
 
 
+DEADLINE_S = 2.0  # store_timeout_ms's default: these servers do not set it
+
+
+def pending_marker(c: Cluster, prompt: str) -> tuple[str, fmt.StoreFile]:
+    """A fresh pending marker for the KV-only entry of `prompt` (as P's save makes), made here; its key."""
+    if not fmt.scan_store(c.store).entries:
+        c.sent_key(c.prefill(prompt_of(10, "an entry to read the identity from ")))
+    identity = fmt.scan_store(c.store).entries[0].identity  # P's (KV-only, rank 0)
+    with c.d.client() as cl:
+        key = fmt.compute_key(identity, cl.tokenize_chat(user_messages(prompt)))
+    marker = fmt.create_pending(c.store, key, stale_after_s=DEADLINE_S)
+    assert marker is not None and not fmt.entry_path(c.store, key).exists()
+    return key, marker
+
+
 def perturb_kv(path: Path) -> None:
     """Rewrite an entry with its KV doubled, as a valid entry (checksum and key intact)."""
     header, data = fmt.read_entry(path)
@@ -282,7 +298,8 @@ def chunked_pair(slot, v1_python, tiny_model, tmp_path_factory) -> Iterator[Clus
     store = work / "store"
     p = start_v1(v1_python, tiny_model, "p", work, kv_config("kv_producer", store, by_module_path=True), "0",
                  block_size=32, extra=("--max-num-batched-tokens", "64", "--max-num-seqs", "8"))
-    d = start_v1(v1_python, tiny_model, "d", work, kv_config("kv_consumer", store), "1", block_size=64)
+    d_kv = {**kv_config("kv_consumer", store), "kv_load_failure_policy": "recompute"}
+    d = start_v1(v1_python, tiny_model, "d", work, d_kv, "1", block_size=64)
     with running([p, d]) as start_s:
         yield Cluster(p, d, store, start_s)
 
@@ -338,6 +355,9 @@ class TestChunkedP32ToD64:
         assert decoded == c.chat(c.p, prompt)
 
     def test_a_corrupted_entry_is_recomputed_and_removed(self, chunked_pair):
+        """The scheduler's lookup checks the header and token ids; the damage shows in the worker's
+        async load (the checksum): its blocks go to vLLM as failed and, under
+        kv_load_failure_policy "recompute", D computes the prompt itself (never serves the load)."""
         c = chunked_pair
         prompt = prompt_of(40, "corrupt me ")
         tokens = c.prefill(prompt)
@@ -347,11 +367,70 @@ class TestChunkedP32ToD64:
         raw[-100] ^= 0x55  # inside the KV: the header still parses, the checksum fails
         path.write_bytes(bytes(raw))
         decoded = c.chat(c.d, prompt)
-        load = c.load_for(key)
-        assert load.outcome == "NONE" and load.reason.startswith("corrupt: checksum mismatch"), load.line
+        lines = [x for x in markers.kv_loads(c.d.log()) if x.key == key]
+        # FAILED (the worker's checksum), then NONE: vLLM asks again for the rescheduled request
+        # and the entry is gone (removed as corrupt).
+        assert [x.outcome for x in lines] == ["FAILED", "NONE"], [x.line for x in lines]
+        load = lines[0]
+        assert "checksum mismatch" in load.reason and lines[1].reason == "miss", load.line
         assert load.loaded == 0 and load.computed == len(tokens)
+        assert "Recovered from KV load failure" in c.d.log()  # vLLM's recompute policy took it
         assert not path.exists()  # removed, so P publishes it again
         assert decoded == c.chat(c.p, prompt)
+
+    def test_decode_waits_for_an_entry_being_saved(self, chunked_pair):
+        """A fresh pending marker and no entry yet: D asks again (does not recompute) until P publishes."""
+        c = chunked_pair
+        prompt = prompt_of(45, "announced ")
+        key, marker = pending_marker(c, prompt)
+        with ThreadPoolExecutor(1) as pool:
+            begin = time.monotonic()
+            decoded = pool.submit(c.chat, c.d, prompt)
+            time.sleep(0.6)  # D is waiting meanwhile: no load line yet
+            assert not [x for x in markers.kv_loads(c.d.log()) if x.key == key], c.d.log()[-2000:]
+            tokens = c.prefill(prompt)  # P publishes (the marker is not its own: it leaves it alone)
+            assert c.sent_key(tokens) == key
+            out, waited = decoded.result(timeout=60), time.monotonic() - begin
+        fmt.remove_store_file(marker)
+        load = c.load_for(key)
+        assert (load.outcome, load.loaded) == ("DONE", len(tokens) - 1), load.line
+        assert waited >= 0.6 and [x.outcome for x in markers.kv_loads(c.d.log()) if x.key == key] == ["DONE"]
+        waits = [line for line in c.d.log().splitlines() if "KV load WAITED." in line and key in line]
+        assert len(waits) == 1 and waits[0].endswith("for its save under way: published"), waits
+        assert out == c.chat(c.p, prompt)
+
+    def test_an_entry_never_published_is_recomputed_after_the_deadline(self, chunked_pair):
+        c = chunked_pair
+        prompt = prompt_of(45, "announced, never saved ")
+        key, marker = pending_marker(c, prompt)
+        begin = time.monotonic()
+        out = c.chat(c.d, prompt)
+        waited = time.monotonic() - begin
+        load = c.load_for(key)
+        # The wait ends when the marker goes stale (older than the deadline, by its mtime) or, with
+        # a writer's clock ahead of D's, when D has waited the deadline on its own clock.
+        assert load.outcome == "NONE" and load.reason.startswith(
+            ("miss (its pending marker was stale", "pending: its save was still under way after")), load.line
+        assert DEADLINE_S - 0.5 <= waited < DEADLINE_S + 10, waited
+        waits = [line for line in c.d.log().splitlines() if "KV load WAITED." in line and key in line]
+        assert len(waits) == 1 and ": published" not in waits[0], waits
+        fmt.remove_store_file(marker)
+        assert out == c.chat(c.p, prompt)
+
+    def test_a_stale_pending_marker_is_ignored_and_removed(self, chunked_pair):
+        c = chunked_pair
+        prompt = prompt_of(45, "stale announcement ")
+        key, marker = pending_marker(c, prompt)
+        old = time.time() - 10 * DEADLINE_S  # its writer died long ago
+        os.utime(marker.path, (old, old))
+        begin = time.monotonic()
+        out = c.chat(c.d, prompt)
+        assert time.monotonic() - begin < DEADLINE_S
+        load = c.load_for(key)
+        assert load.outcome == "NONE" and load.reason.startswith("miss (its pending marker was stale"), load.line
+        assert not marker.path.exists()
+        assert not [line for line in c.d.log().splitlines() if "KV load WAITED." in line and key in line]
+        assert out == c.chat(c.p, prompt)
 
     def test_decode_really_uses_the_stored_kv(self, chunked_pair):
         """Negative control: a valid entry with other KV changes D's output."""
@@ -437,7 +516,7 @@ class TestDefaultP128ToD32AndV0:
 # Runs in the V1 python: the worker side of FSConnector (built without vLLM's engine) loads one
 # request's positions [16, 39) of a 3-layer entry, good and then damaged in its last layer.
 WORKER_LOAD = r"""
-import json, logging, sys
+import json, logging, sys, time
 from pathlib import Path
 
 import torch
@@ -445,6 +524,7 @@ import torch
 from connectors.store import format as fmt, fs_store
 from connectors.layout.base import CacheGeometry
 from connectors.v1 import transfer
+from connectors.v1.background import BackgroundTransfers
 from connectors.v1.fs_connector import FSConnector, FSConnectorMetadata
 from connectors.v1.kv_layout import PagedCPULayout
 from connectors.v1.transfer import LoadSpec
@@ -459,7 +539,8 @@ conn = FSConnector.__new__(FSConnector)  # the worker's state, as register_kv_ca
 conn.store, conn.identity, conn.tp_rank, conn.tp_size = fs_store.FSStore(root, fsync=False), ident, 0, 1
 conn._layout = PagedCPULayout.vec(CacheGeometry(N, H, D))
 conn._layers = [(f"model.layers.{i}.attn", torch.zeros(8, H, N, 2 * D)) for i in range(LAYERS)]
-conn._load_errors = set()
+conn._bg = BackgroundTransfers(5.0, conn._load_blocking, conn._gather, conn._write, conn._log_load,
+                               conn._log_save_dropped, conn._mark, conn._unmark)
 lines = []
 handler = logging.Handler()
 handler.emit = lambda record: lines.append(record.getMessage())
@@ -479,8 +560,15 @@ def load(req_id):
         req_id=req_id, token_ids=tokens, kv_only=True, block_ids=block_ids, start=start, end=end)]))
     conn.start_load_kv(None)
     conn.clear_connector_metadata()
+    recving = set()
+    for _ in range(500):  # the load runs on the I/O pool; get_finished reports it (async contract)
+        _, recving = conn.get_finished(set())
+        if recving:
+            break
+        time.sleep(0.01)
     caches = [cache for _, cache in conn._layers]
     return {"failed": sorted(conn.get_block_ids_with_load_errors()), "lines": list(lines),
+            "recving": sorted(recving or ()),
             "exact": torch.equal(conn._layout.gather_layers(caches, slots), kv[:, :, start:end]),
             "written": any(bool(cache.count_nonzero()) for cache in caches), "exists": path.exists()}
 
@@ -503,11 +591,12 @@ def test_a_worker_load_damaged_in_its_last_layer_reports_its_blocks_failed(v1_py
     assert run.returncode == 0, run.stderr[-4000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     good, damaged = result["good"], result["damaged"]
-    assert good["failed"] == [] and good["exact"] and good["exists"], good
+    assert good["failed"] == [] and good["exact"] and good["exists"] and good["recving"] == ["good"], good
     [done] = good["lines"]
     assert "KV load DONE." in done and "loaded=23 computed=1 prefix_cached=16" in done, done
     assert f"bytes={result['data_len']}" in done, done  # the entry's data size, as before
     assert damaged["failed"] == [1, 4], damaged  # the blocks of positions [16, 39), not the prefix hit's
+    assert damaged["recving"] == ["damaged"], damaged  # finished receiving in the same pass as its failed blocks
     failed = [line for line in damaged["lines"] if "KV load FAILED." in line]
     assert len(failed) == 1 and "checksum mismatch" in failed[0] and "2 blocks reported" in failed[0], damaged
     assert not any("KV load DONE." in line for line in damaged["lines"]), damaged

@@ -216,6 +216,10 @@ class FSConnectorSettings(BaseModel):
     """File of store keys (one per line, the first signs): entries are signed and only signed
     ones are served (connectors.store.auth). Default: $KVCTL_STORE_KEY_FILE, then
     $KVCTL_STORE_KEY, else an unkeyed store. Never the key itself: the config is on a command line."""
+    store_timeout_ms: int = Field(default=2000, gt=0)
+    """Deadline of every store call the engine makes (V1: lookup, load, save; V0: see
+    connectors.v0.fs_connector). Past it D recomputes the prompt and P drops the save,
+    both logged; other requests are served meanwhile."""
 
 
 # Fix hints for FSConnectorSettings fields, used when pydantic rejects them.
@@ -227,6 +231,7 @@ _FS_FIX = {
     "max_bytes": "use a positive whole number of bytes, e.g. 10000000000 for 10 GB, or leave it out",
     "ttl_seconds": "use a positive number of seconds, or leave it out",
     "store_key_file": "use the path of a file holding the store key (mode 0600), or leave it out",
+    "store_timeout_ms": "use a positive whole number of milliseconds, e.g. 2000, or leave it out (default 2000)",
 }
 
 

@@ -147,6 +147,11 @@ class GatherBuffers:
     def start_step(self) -> None:
         self._next = 0
 
+    def abandon(self) -> None:
+        """Never hand out the kept buffers again (a save given up on may still be reading one)."""
+        self._kept = []
+        self._next = 0
+
     def take(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         nbytes = math.prod(shape) * like.element_size()
         if like.device.type != "cpu":

@@ -9,11 +9,19 @@ Layout of a store directory, and the one rule for what each name is
     <root>/<key>.safetensors           an entry: <key> is 32 lowercase hex digits
     <root>/.<key>.<pid>.<rand>.tmp      an entry being written (<pid> decimal, <rand> 8 hex)
     <root>/.kvctl-store.lock            flock for publish + eviction (bounded stores)
+    <root>/.<key>.pending               a save of <key> is under way (empty; its mtime says since when)
 
-A name is an entry or a temp file only if it matches its pattern exactly AND
+A name is an entry, a temp file or a pending marker only if it matches its pattern exactly AND
 `lstat` says it is a regular file (symlinks are never followed). Everything
-else is foreign: never read, deleted, moved or touched. Only entries and temp
-files are ever deleted, and only through `remove_store_file`.
+else is foreign: never read, deleted, moved or touched. Only entries, temp
+files and pending markers are ever deleted, and only through `remove_store_file`.
+
+A pending marker says "this entry is being saved, its writer has answered
+already": a writer that publishes in the background (the V1 FSConnector)
+creates it before its request's answer leaves and removes it after the rename
+(or when the save fails or is dropped). A reader that misses an entry whose
+marker is fresh may wait for it, at most its deadline; a marker older than
+that is stale (a dead or stuck writer) and counts for nothing.
 
 An entry is a plain safetensors file (8-byte little-endian header length,
 JSON header, data) holding, in this order:
@@ -76,6 +84,7 @@ FORMAT_NAME = "kvctl-fs-kv"
 FORMAT_VERSION = 1
 ENTRY_SUFFIX = ".safetensors"
 TEMP_SUFFIX = ".tmp"
+PENDING_SUFFIX = ".pending"
 LOCK_NAME = ".kvctl-store.lock"  # serialises publish + eviction in bounded stores
 KEY_HEX_LEN = 32  # 128-bit keys
 TEMP_RAND_HEX_LEN = 8  # random part of a temp name
@@ -83,6 +92,7 @@ TEMP_RAND_HEX_LEN = 8  # random part of a temp name
 ENTRY_NAME = re.compile(rf"[0-9a-f]{{{KEY_HEX_LEN}}}{re.escape(ENTRY_SUFFIX)}")
 TEMP_NAME = re.compile(rf"\.[0-9a-f]{{{KEY_HEX_LEN}}}\.[0-9]{{1,10}}\.[0-9a-f]{{{TEMP_RAND_HEX_LEN}}}"
                        rf"{re.escape(TEMP_SUFFIX)}")
+PENDING_NAME = re.compile(rf"\.[0-9a-f]{{{KEY_HEX_LEN}}}{re.escape(PENDING_SUFFIX)}")
 # safetensors caps the header at 100 MB; ours is a few hundred bytes.
 MAX_HEADER_BYTES = 1 << 20
 READ_CHUNK_BYTES = 8 << 20  # verify_entry streams the data section in chunks of this size
@@ -232,9 +242,15 @@ def is_temp_name(name: str) -> bool:
     return TEMP_NAME.fullmatch(name) is not None
 
 
+def is_pending_name(name: str) -> bool:
+    """`name` has the exact form of a pending marker: `.<key>.pending`."""
+    return PENDING_NAME.fullmatch(name) is not None
+
+
 class FileKind(enum.Enum):
     ENTRY = "entry"  # an entry name holding a regular file
     TEMP = "temp"  # a temp name holding a regular file (a write in progress, or a killed writer's)
+    PENDING = "pending"  # a pending marker: a save of that key under way (or a dead writer's leftover)
     LOCK = "lock"  # the bounded store's lock file
     FOREIGN = "foreign"  # anything else: not ours, never touched
 
@@ -246,6 +262,8 @@ def file_kind(name: str, st: os.stat_result) -> FileKind:
             return FileKind.ENTRY
         if is_temp_name(name):
             return FileKind.TEMP
+        if is_pending_name(name):
+            return FileKind.PENDING
         if name == LOCK_NAME:
             return FileKind.LOCK
     return FileKind.FOREIGN
@@ -283,7 +301,7 @@ def list_store(root: Path | str) -> list[StoreFile]:
 
 
 def remove_store_file(found: StoreFile, *, unchanged: bool = False) -> bool:
-    """Delete an entry or temp file, only if its name still holds that same file. The only deleter.
+    """Delete an entry, temp file or pending marker, only if its name still holds that same file. The only deleter.
 
     Refuses (returns False) foreign files and the lock, a name that now holds
     anything but a regular file, another file than the one found (other inode;
@@ -291,7 +309,7 @@ def remove_store_file(found: StoreFile, *, unchanged: bool = False) -> bool:
     nothing. Returns True when it removed the file. Raises OSError when the
     unlink itself fails (permissions, a read-only mount).
     """
-    if found.kind not in (FileKind.ENTRY, FileKind.TEMP):
+    if found.kind not in (FileKind.ENTRY, FileKind.TEMP, FileKind.PENDING):
         return False
     try:
         now = os.lstat(found.path)
@@ -307,6 +325,59 @@ def remove_store_file(found: StoreFile, *, unchanged: bool = False) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+# ---------------------------------------------------------------- pending markers
+
+def pending_path(root: Path | str, key: str) -> Path:
+    return Path(root) / f".{key}{PENDING_SUFFIX}"
+
+
+def create_pending(root: Path | str, key: str, *, stale_after_s: float) -> StoreFile | None:
+    """Create `key`'s pending marker; returns it when this call created it, else None.
+
+    The marker is an empty file, created exclusively and never through a
+    symlink. None: a fresh marker of the key is there already (another save of
+    the same prompt is under way; its writer removes it). One older than
+    `stale_after_s` (a dead or stuck writer's) is replaced. Raises OSError
+    (the store cannot be written), NameTaken when the name holds something
+    that is not a regular file (left alone).
+    """
+    path = pending_path(root, key)
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            there = find_pending(root, key)
+            if there is None:
+                if os.path.lexists(path):
+                    raise NameTaken(f"{path.name} is not a regular file: left alone, no pending marker") from None
+                continue  # removed meanwhile: its save ended
+            if attempt or pending_age(there) < stale_after_s:
+                return None
+            remove_store_file(there)
+            continue
+        try:
+            st = os.fstat(fd)
+        finally:
+            os.close(fd)
+        return StoreFile(path, FileKind.PENDING, st)
+    return None
+
+
+def find_pending(root: Path | str, key: str) -> StoreFile | None:
+    """`key`'s pending marker (lstat only), None when there is none. Raises OSError but a miss."""
+    path = pending_path(root, key)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return StoreFile(path, FileKind.PENDING, st) if stat_mod.S_ISREG(st.st_mode) else None
+
+
+def pending_age(marker: StoreFile, now: float | None = None) -> float:
+    """Seconds since the marker was created, by its mtime (negative when the writer's clock is ahead)."""
+    return (time.time() if now is None else now) - marker.stat.st_mtime
 
 
 def _what_is(st: os.stat_result) -> str:
@@ -884,6 +955,7 @@ class ScanResult:
     corrupt: list[EntryCorrupt] = field(default_factory=list)
     unreadable: list[Path] = field(default_factory=list)  # entries this process may not read
     temp_files: list[Path] = field(default_factory=list)
+    pending: list[Path] = field(default_factory=list)  # pending markers: saves under way (or stale)
     foreign: list[Path] = field(default_factory=list)
 
 
@@ -897,6 +969,8 @@ def scan_store(root: Path | str) -> ScanResult:
     for found in list_store(root):
         if found.kind is FileKind.TEMP:
             result.temp_files.append(found.path)
+        elif found.kind is FileKind.PENDING:
+            result.pending.append(found.path)
         elif found.kind is FileKind.FOREIGN:
             result.foreign.append(found.path)
         elif found.kind is FileKind.ENTRY:

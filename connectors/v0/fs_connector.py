@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Union
 import torch
 
 from connectors.store import auth, format as fmt
+from connectors.store.deadline import StoreCallPool, StoreTimeout, WriteGate
 from connectors.store.model_identity import ModelIdentityError
 from connectors.v0.batch import split_prefills, span_slots, span_tokens
 from connectors.config.validate import (open_store_dir, open_store_keys, ConfigError, ConfigProblem,
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = get_logger(__name__)
+
+IO_THREADS = 2  # the store calls of one worker run here, each waited for until its deadline
 
 
 class FSConnector(KVConnectorBase):
@@ -97,6 +100,9 @@ class FSConnector(KVConnectorBase):
             raise
         self.is_producer = kv_config.is_kv_producer
         self.is_consumer = kv_config.is_kv_consumer
+        # V0's hooks are synchronous: each store call runs on this pool and the step waits for
+        # it until its deadline at most (past it: recompute / drop the save).
+        self._io = StoreCallPool("fs-store-io", IO_THREADS, self.settings.store_timeout_ms / 1e3)
         self.store = FSStore(self.root, fsync=self.settings.fsync,
                              max_bytes=self.settings.max_bytes,
                              ttl_seconds=self.settings.ttl_seconds, keys=self.keys)
@@ -165,7 +171,16 @@ class FSConnector(KVConnectorBase):
                 continue
             tokens = span_tokens(model_input, span).tolist()
             key = fmt.compute_key(identity, tokens)
-            if self.store.has_entry(key):
+            stalled = self._io.stalled()
+            if stalled:
+                self._drop(key, tokens, str(StoreTimeout(self._io.timeout_ms, stalled)))
+                continue
+            try:
+                stored = self._io.run(self.store.has_entry, key)
+            except StoreTimeout as e:
+                self._drop(key, tokens, str(e))
+                continue
+            if stored:
                 logger.info(log_lines.KV_SEND_STORED, self.rank, key, len(tokens))
                 continue
             if hidden.shape[0] < span.end:
@@ -176,13 +191,21 @@ class FSConnector(KVConnectorBase):
                 start = time.perf_counter()
                 kv = self._gather(layout, kv_caches, slots)
                 gather_s = time.perf_counter() - start
-                result = self.store.save(identity, tokens, kv, hidden[span.end - 1:span.end])
+                result = self._io.run(self.store.save, identity, tokens, kv, hidden[span.end - 1:span.end])
+            except StoreTimeout as e:
+                # The write may still read `kv`: its buffer is never handed out again.
+                (self.shared_gathers or self._buffers or GatherBuffers()).abandon()
+                self._drop(key, tokens, str(e))
+                continue
             except (OSError, fmt.StoreError) as e:
                 self._send_failures.report(self.rank, key, e)
                 continue
             logger.info(log_lines.KV_SEND, self.rank, result.key, len(tokens), result.num_bytes,
                         result.seconds * 1e3, gather_s * 1e3)
 
+
+    def _drop(self, key: str, tokens: list[int], reason: str) -> None:
+        logger.error(log_lines.KV_SEND_DROPPED, self.rank, key, len(tokens), reason)
 
     def _gather(self, layout: KVLayout, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         """Every layer's KV of `slots`: another child's gather of this step when shared, else ours."""
@@ -222,10 +245,20 @@ class FSConnector(KVConnectorBase):
             write_layer = LayerWriter(layout, kv_caches, span_slots(model_input, span))
             # Each layer goes from the file into the paged cache through one reused staging
             # buffer. What it wrote before a failure (checksum, miss of a later request) is
-            # overwritten: any failure recomputes the whole step.
+            # overwritten: any failure recomputes the whole step. The load runs on the I/O
+            # pool with a deadline; its writes pass a gate closed when it is given up on, so
+            # a load the store answers late never writes into the cache of a later step.
+            stalled = self._io.stalled()
+            if stalled:
+                return self._redo(model_input, f"key={key}: {StoreTimeout(self._io.timeout_ms, stalled)}")
+            gate = WriteGate()
             try:
-                entry = self.store.load_into(identity, tokens, write_layer, hidden_size=self.hidden_size,
-                                             hidden_dtype=self.hidden_dtype)
+                entry = self._io.run(lambda: self.store.load_into(
+                    identity, tokens, lambda i, kv: gate.write(write_layer, i, kv),
+                    hidden_size=self.hidden_size, hidden_dtype=self.hidden_dtype))
+            except StoreTimeout as e:
+                gate.close()
+                return self._redo(model_input, f"key={key}: {e}")
             except FileNotFoundError:
                 return self._redo(model_input, f"miss key={key} tokens={len(tokens)}")
             except fmt.EntryCorrupt as e:
@@ -270,7 +303,7 @@ class FSConnector(KVConnectorBase):
         return None, False, model_input
 
     def close(self) -> None:
-        pass
+        self._io.shutdown()
 
 
 def _wants_prompt_logprobs(model_input) -> bool:

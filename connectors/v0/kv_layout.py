@@ -235,6 +235,11 @@ class SharedGathers:
         self._buffers.start_step()
         self.gathers = 0
 
+    def abandon(self) -> None:
+        """GatherBuffers.abandon for this step's tensors (a child's save was given up on)."""
+        self._kv.clear()
+        self._buffers.abandon()
+
     def gather(self, layout: KVLayout, kv_caches: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
         first = kv_caches[0]
         key = (type(layout), layout.g, len(kv_caches), first.data_ptr(), first.dtype, first.device,

@@ -12,6 +12,9 @@
                      vLLM): the CPU backend's pages (probed from its own kernel), the
                      [blocks, heads, N, 2*head_size] channel split, the earlier
                      [2, blocks, N, heads, head_size] flash layout
+    background.py    the worker's loads and saves off the forward path (vLLM's async
+                     contract: get_finished, failed blocks, blocks held for saves),
+                     each store call with a deadline (connectors.store.deadline)
 
 May import: torch, vLLM (fs_connector.py only), `connectors.store`, `connectors.config`,
 `connectors.layout` (the KVLayout base and the flash layout), `connectors.logs`,

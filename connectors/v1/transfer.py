@@ -67,6 +67,7 @@ class EntryCheck:
     reason: str  # "" when found; else why nothing is loaded (miss, corrupt: ..., ...)
     kv_only: bool = True  # `key` is of the KV-only identity (a V1 producer's entry)
     corrupt: tuple[fmt.EntryCorrupt, ...] = ()  # entries proven invalid (the caller removes them)
+    pending: bool = False  # missing, but a fresh pending marker says its save is under way
 
     @property
     def found(self) -> bool:
@@ -74,11 +75,14 @@ class EntryCheck:
 
 
 def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int],
-                keys: auth.StoreKeys | None = None) -> None:
+                keys: auth.StoreKeys | None = None, *, full: bool = True) -> None:
     """Verify the entry of `identity` for exactly these tokens without loading it (rules 0-7, 9-11; 12 with keys).
 
-    Reads the header, streams the data section through the checksum (bounded
-    memory) and compares the stored token ids with the prompt's. Raises
+    Reads the header and compares the stored token ids with the prompt's;
+    `full` also streams the data section through the checksum (and, with
+    keys, the signature; bounded memory). Without it the work is bounded by the header and the token ids
+    (8 bytes a token): the scheduler's check, which decides the offer; the
+    worker's load verifies the checksum. Raises
     FileNotFoundError (miss), EntryCorrupt (invalid: the entry should be
     removed), TokensDiffer (other tokens under this key),
     auth.EntryUnauthenticated (with keys: unsigned, bad signature; left alone),
@@ -97,7 +101,8 @@ def check_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int],
         stored = _pread(f, header.data_start + begin, end - begin)
         if stored != raw:
             raise TokensDiffer(f"{path.name}: stored token ids differ from the prompt's")
-        fmt.verify_data(path, f, header, keys)
+        if full:
+            fmt.verify_data(path, f, header, keys)
 
 
 class TokensDiffer(fmt.StoreError):
@@ -115,41 +120,92 @@ def _pread(f, offset: int, n: int) -> bytes:
 
 
 def find_entry(root: Path, identity: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int,
-               keys: auth.StoreKeys | None = None) -> EntryCheck:
+               keys: auth.StoreKeys | None = None, *, full: bool = True,
+               pending_s: float | None = None) -> EntryCheck:
     """The first identity (lookup_identities order) whose entries for every TP rank are valid.
 
+    `full`: as in check_entry (False: header and token ids only).
+    `pending_s`: when nothing is found and the KV-only entry (a V1 producer's)
+    is missing, look at its pending marker: one younger than `pending_s`
+    makes the check `pending` (the entry is being saved: ask again); an older
+    one is stale: removed, and the miss's reason says so. Without a marker the entry is looked
+    up once more (its writer removes the marker after the rename, so the
+    entry may have appeared between the two looks). A hit costs nothing
+    extra; a miss costs two more lookups of names that are not there.
     Never raises: a miss, an invalid entry, other tokens or a read error is
     a reason. Invalid entries are returned in `corrupt` for removal.
     """
     reasons, corrupt = [], []
     for candidate in lookup_identities(identity):
-        key = fmt.compute_key(candidate, token_ids)
-        problem = None
-        for rank in range(tp_size):
-            ranked = rank_identity(candidate, rank)
-            try:
-                check_entry(root, ranked, token_ids, keys)
-            except FileNotFoundError:
-                problem = "miss"
-            except fmt.EntryCorrupt as e:
-                corrupt.append(e)
-                problem = f"corrupt: {e.reason}"
-            except TokensDiffer:
-                problem = "token mismatch"
-            except auth.EntryUnauthenticated as e:  # another writer's entry: refused, never removed
-                problem = f"refused: {e.reason}"
-            except OSError as e:
-                problem = f"unreadable: {e.strerror or e}"
-            if problem:
-                if tp_size > 1:
-                    problem += f" (tp rank {rank})"
-                break
+        problem, rank = _check_ranks(root, candidate, token_ids, tp_size, keys, full, corrupt)
         if problem is None:
-            return EntryCheck(candidate, key, "", is_kv_only(candidate), tuple(corrupt))
-        reasons.append((key, problem, is_kv_only(candidate), rank))
+            return EntryCheck(candidate, fmt.compute_key(candidate, token_ids), "", is_kv_only(candidate),
+                              tuple(corrupt))
+        reasons.append((fmt.compute_key(candidate, token_ids), problem, is_kv_only(candidate), rank))
+    own_key, own_problem, _, own_rank = reasons[0]  # the KV-only candidate
+    if pending_s is not None and own_problem.startswith("miss"):
+        candidate = lookup_identities(identity)[0]
+        marker_key = (own_key if own_rank == candidate.tp_rank else
+                      fmt.compute_key(rank_identity(candidate, own_rank), token_ids))
+        marker = _pending_marker(root, marker_key, pending_s)
+        if marker is not None and marker[0]:
+            why = f"pending: its save is under way (marker {marker[1] * 1e3:.0f} ms old)"
+            return EntryCheck(None, own_key, why, True, tuple(corrupt), pending=True)
+        if _check_ranks(root, candidate, token_ids, tp_size, keys, full, corrupt)[0] is None:
+            return EntryCheck(candidate, own_key, "", True, tuple(corrupt))
+        if marker is not None:
+            reasons[0] = (own_key, f"{own_problem} (its pending marker was stale, {marker[1]:.1f} s old: "
+                                   f"no save behind it; removed)", True, own_rank)
     # Report the most telling reason: a damaged entry over a miss, a partial miss over a plain one.
     key, reason, kv_only, _ = min(reasons, key=lambda r: (r[1].startswith("miss"), -r[3]))
     return EntryCheck(None, key, reason, kv_only, tuple(corrupt))
+
+
+def _check_ranks(root: Path, candidate: fmt.KVIdentity, token_ids: Sequence[int], tp_size: int,
+                 keys: auth.StoreKeys | None, full: bool, corrupt: list) -> tuple[str | None, int]:
+    """(None, last rank) when every rank's entry of `candidate` is valid, else (why not, the rank)."""
+    problem, rank = None, 0
+    for rank in range(tp_size):
+        try:
+            check_entry(root, rank_identity(candidate, rank), token_ids, keys, full=full)
+        except FileNotFoundError:
+            problem = "miss"
+        except fmt.EntryCorrupt as e:
+            corrupt.append(e)
+            problem = f"corrupt: {e.reason}"
+        except TokensDiffer:
+            problem = "token mismatch"
+        except auth.EntryUnauthenticated as e:  # another writer's entry: refused, never removed
+            problem = f"refused: {e.reason}"
+        except OSError as e:
+            problem = f"unreadable: {e.strerror or e}"
+        if problem:
+            if tp_size > 1:
+                problem += f" (tp rank {rank})"
+            break
+    return problem, rank
+
+
+def _pending_marker(root: Path, key: str, fresh_s: float) -> tuple[bool, float] | None:
+    """(fresh, age in s) of `key`'s pending marker: fresh when younger than `fresh_s`; None when there is none.
+
+    A stale marker (a dead or stuck writer's) is removed, best effort. A
+    marker that cannot be looked at counts as none.
+    """
+    try:
+        marker = fmt.find_pending(root, key)
+    except OSError:
+        return None
+    if marker is None:
+        return None
+    age = fmt.pending_age(marker)
+    if age < fresh_s:
+        return True, max(age, 0.0)
+    try:
+        fmt.remove_store_file(marker, unchanged=True)
+    except OSError:
+        pass
+    return False, age
 
 
 def tokens_to_load(prompt_len: int, num_computed: int) -> int:
@@ -186,6 +242,7 @@ class LoadSpec:
     block_ids: list[int]
     start: int  # = tokens the local prefix cache already held
     end: int  # start + tokens loaded; at most len(token_ids) - 1
+    block_size: int = 0  # the plan's, set by the worker
 
 
 @dataclass
@@ -195,6 +252,8 @@ class SaveSpec:
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
+    block_size: int = 0  # the plan's, set by the worker
+    gather_s: float = 0.0  # how long copying it out of the cache took (set by the worker)
 
 
 @dataclass
@@ -216,3 +275,4 @@ class StepPlan:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     skips: list[Skip] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # requests preempted before this step

@@ -2,10 +2,11 @@
 
 `inspect_store` sorts every name of a store directory by the format's one
 rule (`connectors.store.format.file_kind`) into entries (with what each header
-claims and, when verified, whether its data checks out), temp leftovers and
-foreign files. `fix_store` removes what a `store check --fix` may remove:
-stale temp files and entries proven invalid, never foreign files and never
-an entry it could not read (that is reported as unchecked). The format itself
+claims and, when verified, whether its data checks out), temp leftovers,
+pending markers (saves under way) and foreign files. `fix_store` removes what
+a `store check --fix` may remove: stale temp files, stale pending markers and
+entries proven invalid, never foreign files and never an entry it could not
+read (that is reported as unchecked). The format itself
 is connectors.store.format's (spec: docs/store-format.md).
 """
 
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 # network filesystems. Writer pids are not checked: the store may be shared
 # by several hosts.
 TEMP_GRACE_S = 900.0
+# A pending marker older than this is a leftover (its writer died or its store hung): readers
+# already ignore it past their own deadline (store_timeout_ms, 2 s by default). Seconds.
+PENDING_GRACE_S = 60.0
 
 
 @dataclass
@@ -112,7 +116,13 @@ class StoreReport:
     keyed: bool = False  # checked against store keys (tags verified with --verify)
     entries: list[EntryReport] = field(default_factory=list)
     temp_files: list[StrayFile] = field(default_factory=list)
+    pending: list[StrayFile] = field(default_factory=list)  # pending markers: saves under way, or leftovers
     foreign_files: list[StrayFile] = field(default_factory=list)
+
+    @property
+    def stale_pending(self) -> list[StrayFile]:
+        """Pending markers older than PENDING_GRACE_S: no save is under way behind them any more."""
+        return [m for m in self.pending if m.age_s >= PENDING_GRACE_S]
 
     @property
     def total_bytes(self) -> int:
@@ -130,14 +140,16 @@ class StoreReport:
 
     @property
     def problems(self) -> int:
-        """Things `store check` fails on: invalid and unchecked entries, temp leftovers."""
-        return len(self.invalid) + len(self.unchecked) + len(self.temp_files)
+        """Things `store check` fails on: invalid and unchecked entries, temp leftovers, stale pending markers."""
+        return len(self.invalid) + len(self.unchecked) + len(self.temp_files) + len(self.stale_pending)
 
     def to_json(self) -> dict:
         return {
             "root": str(self.root), "verified": self.verified, "keyed": self.keyed,
             "entries": [e.to_json() for e in self.entries],
             "temp_files": [t.to_json() for t in self.temp_files],
+            "pending_markers": [m.to_json() for m in self.pending],
+            "num_stale_pending": len(self.stale_pending),
             "foreign_files": [f.to_json() for f in self.foreign_files],
             "total_bytes": self.total_bytes,
             "num_entries": len(self.entries),
@@ -220,6 +232,8 @@ def inspect_store(root: Path | str, verify: bool = False, now: float | None = No
             continue  # the bounded store's publish lock: part of the format
         if found.kind is FileKind.TEMP:
             report.temp_files.append(StrayFile(found.path, st.st_size, now - st.st_mtime, found))
+        elif found.kind is FileKind.PENDING:
+            report.pending.append(StrayFile(found.path, st.st_size, now - st.st_mtime, found))
         elif found.kind is FileKind.ENTRY:
             entry = _inspect_entry(found, verify, keys)
             if entry is not None:
@@ -273,8 +287,10 @@ class FixResult:
                 "kept": [{"file": p.name, "reason": r} for p, r in self.kept]}
 
 
-def fix_store(report: StoreReport, temp_grace_s: float = TEMP_GRACE_S) -> FixResult:
-    """Remove temp files older than `temp_grace_s` and invalid entries; nothing else.
+def fix_store(report: StoreReport, temp_grace_s: float = TEMP_GRACE_S,
+              pending_grace_s: float = PENDING_GRACE_S) -> FixResult:
+    """Remove temp files older than `temp_grace_s`, pending markers older than
+    `pending_grace_s` and invalid entries; nothing else.
 
     Foreign files are never removed, nor entries that could not be read
     (unchecked). Removing an entry that a producer replaced a moment ago only
@@ -287,6 +303,12 @@ def fix_store(report: StoreReport, temp_grace_s: float = TEMP_GRACE_S) -> FixRes
             result.kept.append((temp.path, f"temp file only {temp.age_s:.0f}s old; a writer may still own it"))
         else:
             _remove(temp.file, f"temp leftover, {temp.age_s:.0f}s old", result)
+    for marker in report.pending:
+        if marker.age_s < pending_grace_s:
+            result.kept.append((marker.path, f"pending marker only {marker.age_s:.0f}s old: a save may be "
+                                             f"under way"))
+        else:
+            _remove(marker.file, f"stale pending marker, {marker.age_s:.0f}s old", result)
     for entry in report.invalid:
         if entry.refused:
             result.kept.append((entry.path, f"{entry.error}: another writer's entry, never removed "

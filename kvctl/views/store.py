@@ -64,6 +64,10 @@ def render_store_report(report: StoreReport, out: Output) -> None:
     for t in report.temp_files:
         out.stdout.print(f"[yellow]temp leftover[/yellow] {_name(t.path)} ({human_size(t.bytes)}, "
                          f"{t.age_s:.0f}s old)", highlight=False)
+    stale = {m.path for m in report.stale_pending}
+    for m in report.pending:
+        what = "[yellow]stale pending marker[/yellow]" if m.path in stale else "pending save"
+        out.stdout.print(f"{what} {_name(m.path)} ({m.age_s:.0f}s old)", highlight=False)
     for f in report.foreign_files:
         kind = "foreign dir" if f.is_dir else "foreign file"
         size = "" if f.is_dir else f" ({human_size(f.bytes)})"
@@ -74,7 +78,8 @@ def render_store_report(report: StoreReport, out: Output) -> None:
         f", {len(report.invalid)} invalid{unchecked} (add --verify to check data)")
     n = len(report.entries)
     out.stdout.print(f"{n} entr{'y' if n == 1 else 'ies'}, {human_size(report.total_bytes)}{checked}; "
-                     f"{len(report.temp_files)} temp, {len(report.foreign_files)} foreign", highlight=False)
+                     f"{len(report.temp_files)} temp, {len(report.pending)} pending, "
+                     f"{len(report.foreign_files)} foreign", highlight=False)
 
 
 def render_fix(fixed: FixResult, out: Output) -> None:
@@ -91,9 +96,12 @@ def render_check_verdict(report: StoreReport, fixed: bool, out: Output) -> None:
         return
     n = len(report.invalid)
     parts = [f"{n} invalid entr{'y' if n == 1 else 'ies'}", f"{len(report.temp_files)} temp file(s)"]
+    if report.stale_pending:
+        parts.append(f"{len(report.stale_pending)} stale pending marker(s)")
     if report.unchecked:
         parts.append(f"{len(report.unchecked)} unchecked (not readable by this user)")
-    hint = "" if fixed or not (report.invalid or report.temp_files) else " (kvctl store check --fix removes them)"
+    fixable = report.invalid or report.temp_files or report.stale_pending
+    hint = "" if fixed or not fixable else " (kvctl store check --fix removes them)"
     out.stdout.print(f"[red]{', '.join(parts)} remain[/red]{hint}")
 
 
