@@ -344,10 +344,11 @@ def test_d_killed_mid_pull(faults: Faults):
         or _line(f.log_since("prefill", p_off), nixl_evidence.FINISHED_SENDING, request_id)),
         timeout=LEASE_S + 60)
     print(f"P released the blocks {time.monotonic() - killed_at:.1f} s after D's kill: {released}")
-    # the router reports the missing decode instance
+    # the router reports the missing decode instance (its /health names the role; P, busy releasing
+    # blocks on 2 loaded cores, may miss a health check too: then both roles are named)
     health = _wait("the router marking D down", lambda: (r := httpx.get(f"{f.state.endpoint}/health", timeout=10))
-                   .status_code == 503 and r, timeout=30)
+                   .status_code == 503 and "decode" in r.json()["error"]["missing"] and r, timeout=30)
     after = httpx.post(f"{f.state.endpoint}/v1/chat/completions", json=f.chat_body("hello"), timeout=30)
     print(f"router after D's death: /health {health.status_code} {health.json()['error']['message'][:200]}; "
           f"a request: {after.status_code} {after.text[:300]}")
-    assert after.status_code == 503 and after.json()["error"]["code"] == "no_healthy_decode"
+    assert after.status_code == 503 and after.json()["error"]["code"].startswith("no_healthy_"), after.text

@@ -57,10 +57,18 @@ def slot(shared_dir: Path) -> Iterator[None]:
         yield
 
 
-def _run_scenario(run: Kvctl, name: str) -> dict:
+def _run_scenario(run: Kvctl, name: str, retry_on: frozenset[str] = frozenset()) -> dict:
+    """`kvctl scenario run NAME --json`, which must pass. `retry_on`: check names whose failure
+    alone (every failed check among them) gets one more run, printed first (load-induced lag on 2
+    shared cores); any other failure fails at once."""
     r = run("scenario", "run", name, "--json", timeout=RUN_TIMEOUT_S)
     report = json.loads(r.stdout) if r.stdout.strip() else {}
-    assert r.rc == 0 and report.get("passed") is True, (r.rc, json.dumps(report, indent=1)[:8000], r.stderr[-4000:])
+    failed = [(i, c["name"], c["evidence"][:1500]) for i, req in enumerate((report.get("verify") or {}).get("requests", []))
+              for c in req["checks"] if not c["passed"]]
+    if r.rc != 0 and failed and retry_on and all(name_ in retry_on for _, name_, _ in failed):
+        print(f"{name}: first run failed only {sorted({n for _, n, _ in failed})}, run again: {failed}")
+        return _run_scenario(run, name)
+    assert r.rc == 0 and report.get("passed") is True, (r.rc, failed, r.stderr[-3000:])
     assert live_processes_under(run.home) == []
     return report
 
@@ -104,7 +112,9 @@ def test_v1_nixl_2p2d_scenario_pairs_every_p_with_every_d(nixl_kvctl, slot):
 
 
 def test_v1_nixl_multi_scenario_shows_each_child(nixl_kvctl, slot):
-    report = _run_scenario(nixl_kvctl, "v1-nixl-multi")
+    # once in a full suite run P's `Finished sending` line was not found for one request (logs gone with
+    # the teardown; alone it passes): that check alone gets a second run, printed
+    report = _run_scenario(nixl_kvctl, "v1-nixl-multi", retry_on=frozenset({"kv_send_logged"}))
     _assert_nixl_evidence(report, 3)
     for req in report["verify"]["requests"]:
         offload = _check(req, OFFLOAD_CHECK)

@@ -101,6 +101,7 @@ from kvctl.verify.report import (
 
 DEFAULT_MAX_TOKENS = 16
 METRICS_TIMEOUT_S = 5.0  # one /metrics read
+NIXL_SEND_WAIT_S = 30.0  # how long P's `Finished sending` may lag D's `Finished recving`
 MetricsStart = dict  # instance label -> its /metrics reading (kvctl.verify.metrics.Reading) or None
 
 Progress = Callable[[int, int, str], None]  # (request index, total, stage: prefill|decode|endpoint|baseline|done)
@@ -338,8 +339,14 @@ class ClusterVerifier:
                        ) -> tuple[CheckResult, CheckResult, CheckResult, nixl_evidence.RequestEvidence | None]:
         """`nixl_checks`, and the lines they read (None unless both logs are readable)."""
         if p_log.observable and d_log.observable:
-            ev = poll(lambda: nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start)),
-                      lambda e: e.settled, self.log_wait_s)
+            def read() -> nixl_evidence.RequestEvidence:
+                return nixl_evidence.evidence(request_id, p_log.read_from(p_start), d_log.read_from(d_start))
+
+            ev = poll(read, lambda e: e.settled, self.log_wait_s)
+            if ev.received is not None and ev.sent is None and ev.expired is None:
+                # D has the KV: P's `Finished sending` (or its lease expiry) must follow, only later
+                # on a loaded host (P reads D's notification at a later step): wait for it
+                ev = poll(read, lambda e: e.settled, NIXL_SEND_WAIT_S)
             return (nixl_evidence.check_sent(ev), nixl_evidence.check_handed(ev, len(tokens)),
                     nixl_evidence.check_pulled(ev, len(tokens)), ev)
         d_why, p_why = f"D's log ({d_log.unobservable})", f"P's log ({p_log.unobservable})"
