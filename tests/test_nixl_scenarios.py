@@ -50,13 +50,6 @@ def nixl_kvctl(tmp_path: Path) -> Kvctl:
     return run
 
 
-@pytest.fixture
-def slot(shared_dir: Path) -> Iterator[None]:
-    with open(slot_lock_path(shared_dir), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
 def _run_scenario(run: Kvctl, name: str, retry_on: frozenset[str] = frozenset()) -> dict:
     """`kvctl scenario run NAME --json`, which must pass. `retry_on`: check names whose failure
     alone (every failed check among them) gets one more run, printed first (load-induced lag on 2
@@ -92,13 +85,13 @@ def _assert_nixl_evidence(report: dict, prompts: int) -> None:
         assert "handed" in _check(req, "store_entry_written")["evidence"]
 
 
-def test_v1_nixl_1p1d_scenario(nixl_kvctl, slot):
+def test_v1_nixl_1p1d_scenario(nixl_kvctl, vllm_slot):
     report = _run_scenario(nixl_kvctl, "v1-nixl-1p1d")
     assert report["engine"] == "v1"
     _assert_nixl_evidence(report, 4)
 
 
-def test_v1_nixl_2p2d_scenario_pairs_every_p_with_every_d(nixl_kvctl, slot):
+def test_v1_nixl_2p2d_scenario_pairs_every_p_with_every_d(nixl_kvctl, vllm_slot):
     report = _run_scenario(nixl_kvctl, "v1-nixl-2p2d")
     _assert_nixl_evidence(report, 4)
     verify = report["verify"]
@@ -111,7 +104,7 @@ def test_v1_nixl_2p2d_scenario_pairs_every_p_with_every_d(nixl_kvctl, slot):
         assert "127.0.0.1:" in handed, handed
 
 
-def test_v1_nixl_multi_scenario_shows_each_child(nixl_kvctl, slot):
+def test_v1_nixl_multi_scenario_shows_each_child(nixl_kvctl, vllm_slot):
     # once in a full suite run P's `Finished sending` line was not found for one request (logs gone with
     # the teardown; alone it passes): that check alone gets a second run, printed
     report = _run_scenario(nixl_kvctl, "v1-nixl-multi", retry_on=frozenset({"kv_send_logged"}))
