@@ -12,7 +12,8 @@ decode=NAME` lines and its X-Kvctl-* headers agree), each D from the store;
 router's headers name (their logs hold its send and skip lines, and the
 router's own log agrees) and counts the requests each instance served, in
 load mode too; with
-decode-1 frozen (SIGSTOP: the router marks it unhealthy and skips it), the
+decode-1 frozen (SIGSTOP: once its /health has timed out for the router's grace,
+30 s, the router marks it unhealthy and skips it), the
 requests still pass but the run fails naming decode-1.
 """
 
@@ -30,6 +31,7 @@ import pytest
 from conftest import Kvctl, group_alive, pid_alive
 from e2e_helpers import slot_lock_path, send_through_endpoint
 
+from kvctl.router.config import HEALTH_GRACE_S
 from kvctl.router.route_log import parse_route_line
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
@@ -167,7 +169,7 @@ def test_verify_fails_naming_a_decode_that_never_served(cluster, tmp_path):
     pid = state["instances"]["decode-1"]["pid"]
     os.kill(pid, signal.SIGSTOP)  # decode-1's API server stops answering: its /health times out
     try:
-        _wait_health(state, "decode-1", False)
+        _wait_health(state, "decode-1", False, timeout_s=HEALTH_GRACE_S + 60)  # down once the grace has passed
         junit = tmp_path / "verify.xml"
         r = _verify(kvctl, "--json", "--junit-xml", str(junit))
     finally:

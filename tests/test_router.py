@@ -98,6 +98,7 @@ class FakeVLLM:
         self.error_json: bytes = b'{"object":"error","message":"bad","type":"BadRequestError","param":null,"code":400}'
         self.health_status = 200
         self.health_hits = 0  # GET /health requests answered (the router's checks)
+        self.health_delay_s = 0.0  # before answering /health (a live server on a loaded host)
         self.delay_s = 0.0  # before answering a completion
         self.chunk_delay_s = 0.0  # between streamed chunks
         self.fail_after: int | None = None  # cut the connection after this many chunks
@@ -135,6 +136,8 @@ class FakeVLLM:
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_hits += 1
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(status=self.health_status)
 
     def _denied(self, request: web.Request) -> web.Response | None:
@@ -589,6 +592,34 @@ def test_health_gating(make_cluster):
     wait_for(lambda: httpx.get(f"{c.url}/health").status_code == 200, what="/health to be 200")
     assert httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
                       timeout=30).status_code == 200
+
+
+def test_a_slow_health_answer_is_forgiven_for_the_grace_period(make_cluster):
+    # D's /health answers later than the check's timeout (a live server on 2 loaded cores):
+    # within the grace D stays healthy and serves; without a grace the same D gets a 503
+    body = {"model": MODEL, "prompt": "x"}
+    for grace, served in ((30.0, True), (0.0, False)):
+        c = make_cluster(health_interval_s=0.1, health_timeout_s=0.2, health_grace_s=grace)
+        c.decode[0].health_delay_s = 1.0
+        hits = c.decode[0].health_hits
+        wait_for(lambda: c.decode[0].health_hits >= hits + 3, what="three timed-out checks")
+        r = httpx.post(f"{c.url}/v1/completions", json=body, timeout=30)
+        if served:
+            assert r.status_code == 200 and c.instances()["decode-0"]["healthy"] is True, r.text
+            assert httpx.get(f"{c.url}/health").status_code == 200
+        else:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_decode", r.text
+            assert "decode-0" in r.json()["error"]["message"] and "timed out" in r.json()["error"]["message"]
+
+
+def test_a_health_check_timing_out_past_the_grace_marks_the_instance_down(make_cluster):
+    c = make_cluster(health_interval_s=0.1, health_timeout_s=0.2, health_grace_s=1.0)
+    c.decode[0].health_delay_s = 5.0  # hung: no answer at all
+    waited = wait_for(lambda: not c.instances()["decode-0"]["healthy"], timeout=10, what="decode-0 down")
+    assert waited >= 0.9  # not before the grace
+    assert "timed out (" in c.instances()["decode-0"]["reason"] and "checks in a row" in c.instances()["decode-0"]["reason"]
+    c.decode[0].health_delay_s = 0.0
+    wait_for(lambda: c.instances()["decode-0"]["healthy"], what="decode-0 back")
 
 
 def test_health_503_before_instances_are_up(aloop):

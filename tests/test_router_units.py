@@ -42,6 +42,7 @@ def test_a_url_with_equals_in_its_path_is_not_a_name():
     ([P1], [D1], {"port": 70000}, "port"),
     ([P1], [D1], {"api_key": " "}, "api_key"),
     ([P1], [D1], {"health_interval_s": 0}, "health_interval"),
+    ([P1], [D1], {"health_grace_s": -1}, "health_grace"),
     ([P1], [D1], {"prefill_timeout_s": -1}, "prefill_timeout"),
 ])
 def test_config_errors_name_the_field(prefill, decode, kw, field):
@@ -107,6 +108,37 @@ def test_a_stale_health_check_cannot_revive_an_instance():
     assert inst.reason == ""
     assert record_check(inst, False, "/health answered 503", started_at=102.0) is True
     assert inst.to_json()["reason"] == "/health answered 503"
+
+
+def test_a_timed_out_check_is_forgiven_until_the_grace_has_passed():
+    inst = _pool("round_robin", 1).instances[0]
+    assert record_check(inst, True, "", started_at=100.0, now=100.0) is False and inst.healthy
+    for now in (103.0, 106.0, 129.0):  # no 200 for up to 29 s: still healthy, the misses counted
+        assert record_check(inst, False, "timed out", started_at=now - 2, timed_out=True, grace_s=30.0, now=now) is False
+        assert inst.healthy and inst.reason == ""
+    assert inst.missed == 3
+    assert record_check(inst, False, "timed out", started_at=130.0, timed_out=True, grace_s=30.0, now=132.0) is True
+    assert not inst.healthy and inst.reason == "timed out (4 checks in a row; no 200 for 32.0 s)"
+    assert record_check(inst, True, "", started_at=133.0, now=133.0) is True and inst.healthy and inst.missed == 0
+
+
+def test_a_refusal_or_another_status_is_never_forgiven():
+    for reason in ("cannot connect: connection refused", "/health answered 503"):
+        inst = _pool("round_robin", 1).instances[0]
+        record_check(inst, True, "", started_at=100.0, now=100.0)
+        assert record_check(inst, False, reason, started_at=101.0, grace_s=30.0, now=101.0) is True
+        assert not inst.healthy and inst.reason == reason
+
+
+def test_the_grace_keeps_only_a_healthy_instance_healthy():
+    inst = _pool("round_robin", 1).instances[0]
+    record_check(inst, True, "", started_at=100.0, now=100.0)
+    assert record_check(inst, False, "timed out", started_at=101.0, timed_out=True, now=101.0) is True  # no grace
+    assert record_check(inst, False, "timed out", started_at=102.0, timed_out=True, grace_s=30.0, now=102.0) is False
+    assert not inst.healthy  # a timed-out check does not bring it back
+    fresh = Pool("decode", build_config([P1], [D1]).decode, "round_robin").instances[0]  # never answered
+    assert record_check(fresh, False, "timed out", started_at=0.0, timed_out=True, grace_s=30.0, now=1.0) is False
+    assert not fresh.healthy and fresh.reason == "timed out"
 
 
 # --- the log line ---

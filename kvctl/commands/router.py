@@ -60,6 +60,10 @@ def serve_cmd(
                                           help="Seconds between /health checks of each instance."),
     health_timeout: float = typer.Option(cfg.HEALTH_TIMEOUT_S, "--health-timeout", metavar="S",
                                          help="Seconds one /health check may take."),
+    health_grace: float = typer.Option(cfg.HEALTH_GRACE_S, "--health-grace", metavar="S",
+                                       help="A timed-out /health check marks an instance unhealthy only once "
+                                            "its last 200 is this old (0: at once); a refusal or another "
+                                            "status counts at once."),
     connect_timeout: float = typer.Option(cfg.CONNECT_TIMEOUT_S, "--connect-timeout", metavar="S",
                                           help="Seconds to connect to an instance."),
     prefill_timeout: float = typer.Option(cfg.PREFILL_TIMEOUT_S, "--prefill-timeout", metavar="S",
@@ -75,7 +79,8 @@ def serve_cmd(
     config = cfg.build_config(
         prefill, decode, host=host, port=port, api_key=api_key or None, kv_transfer_params=kv_transfer_params,
         policy=policy.value,
-        health_interval_s=health_interval, health_timeout_s=health_timeout, connect_timeout_s=connect_timeout,
+        health_interval_s=health_interval, health_timeout_s=health_timeout, health_grace_s=health_grace,
+        connect_timeout_s=connect_timeout,
         prefill_timeout_s=prefill_timeout, decode_idle_timeout_s=decode_idle_timeout)
     try:
         asyncio.run(serve(config))

@@ -2,7 +2,7 @@
 
     python -m kvctl.router --prefill URL [--prefill URL ...] --decode URL [--decode URL ...]
         --port N [--host 127.0.0.1] [--api-key KEY] [--kv-transfer-params]
-        [--policy round_robin|least_outstanding] [--health-interval S] [--prefill-timeout S] [--decode-idle-timeout S] [--log-level L]
+        [--policy round_robin|least_outstanding] [--health-interval S] [--health-grace S] [--prefill-timeout S] [--decode-idle-timeout S] [--log-level L]
 
 The command itself (its options, exit codes, the LISTENING line) is kvctl.commands.router;
 this entry point stays for what starts the router this way: `kvctl launch`

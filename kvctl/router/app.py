@@ -154,7 +154,8 @@ class Router:
             if not inst.healthy:  # a change to healthy was logged by the check itself
                 log_change(inst)
         self._health_task = asyncio.create_task(run_health_checks(
-            self.session, self.instances, self.config.health_interval_s, self.config.health_timeout_s))
+            self.session, self.instances, self.config.health_interval_s, self.config.health_timeout_s,
+            self.config.health_grace_s))
         try:
             yield
         finally:
@@ -278,7 +279,7 @@ class Router:
         inst = next((i for i in self.pools["prefill"] if i.name == rec.prefill), None)
         if inst is None or err.instance != rec.decode:
             return err
-        await check_instance(self.session, inst, self.config.health_timeout_s)
+        await check_instance(self.session, inst, self.config.health_timeout_s)  # no grace: D just failed on it
         source = f"D was to pull this request's KV from prefill instance {inst.name} ({inst.url})"
         if inst.healthy:
             return UpstreamError(err.status, f"{err.message}; {source}, which is healthy", code=err.code,
@@ -414,7 +415,7 @@ class Router:
         if inst.name in self._rechecks or self._session is None:
             return
         task = asyncio.get_running_loop().create_task(
-            check_instance(self.session, inst, self.config.health_timeout_s))
+            check_instance(self.session, inst, self.config.health_timeout_s, self.config.health_grace_s))
         self._rechecks[inst.name] = task
         task.add_done_callback(lambda _: self._rechecks.pop(inst.name, None))
 

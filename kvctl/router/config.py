@@ -21,6 +21,10 @@ API_KEY_ENV = "KVCTL_ROUTER_API_KEY"  # the router process's API key, from its e
 DEFAULT_POLICY = "round_robin"
 HEALTH_INTERVAL_S = 1.0  # how often each instance's /health is polled
 HEALTH_TIMEOUT_S = 2.0  # one /health request
+# A /health check that times out marks a healthy instance unhealthy only once its last 200 is
+# this old: on 2 loaded cores (load average ~30) live vLLM servers missed the 2 s check for up
+# to 11 s in a row (checks every 3 s), while serving; a refusal or a non-200 answer counts at once.
+HEALTH_GRACE_S = 30.0
 CONNECT_TIMEOUT_S = 5.0  # opening a connection to an instance
 PREFILL_TIMEOUT_S = 300.0  # a whole prefill request (a long prompt on 2 CPU cores takes seconds)
 DECODE_IDLE_TIMEOUT_S = 300.0  # longest silence from D between two chunks (no limit on the total)
@@ -51,6 +55,7 @@ class RouterConfig:
     policy: str = DEFAULT_POLICY
     health_interval_s: float = HEALTH_INTERVAL_S
     health_timeout_s: float = HEALTH_TIMEOUT_S
+    health_grace_s: float = HEALTH_GRACE_S
     connect_timeout_s: float = CONNECT_TIMEOUT_S
     prefill_timeout_s: float = PREFILL_TIMEOUT_S
     decode_idle_timeout_s: float = DECODE_IDLE_TIMEOUT_S
@@ -92,6 +97,7 @@ def build_config(prefill: Sequence[str], decode: Sequence[str], *, host: str = D
                  policy: str = DEFAULT_POLICY,
                  health_interval_s: float = HEALTH_INTERVAL_S,
                  health_timeout_s: float = HEALTH_TIMEOUT_S,
+                 health_grace_s: float = HEALTH_GRACE_S,
                  connect_timeout_s: float = CONNECT_TIMEOUT_S,
                  prefill_timeout_s: float = PREFILL_TIMEOUT_S,
                  decode_idle_timeout_s: float = DECODE_IDLE_TIMEOUT_S) -> RouterConfig:
@@ -99,7 +105,7 @@ def build_config(prefill: Sequence[str], decode: Sequence[str], *, host: str = D
 
     Raises BadInput naming the field at fault: an empty pool (`prefill`, `decode`),
     a duplicate instance name or URL, an unknown `policy`, a `port` outside 0-65535,
-    an empty `api_key`, a timeout or interval that is not positive.
+    an empty `api_key`, a timeout or interval that is not positive, a negative `health_grace`.
     """
     pools = {}
     for role, given in (("prefill", prefill), ("decode", decode)):
@@ -131,8 +137,12 @@ def build_config(prefill: Sequence[str], decode: Sequence[str], *, host: str = D
         if not value > 0:
             raise BadInput(f"{name} must be a positive number of seconds, got {value}", field=name,
                            fix="give seconds greater than 0")
+    if not health_grace_s >= 0:
+        raise BadInput(f"health_grace must be 0 or more seconds, got {health_grace_s}", field="health_grace",
+                       fix="give seconds (0: a timed-out check marks the instance unhealthy at once)")
     return RouterConfig(prefill=pools["prefill"], decode=pools["decode"], host=host, port=port,
                         api_key=api_key, kv_transfer_params=kv_transfer_params, policy=policy,
                         health_interval_s=health_interval_s,
-                        health_timeout_s=health_timeout_s, connect_timeout_s=connect_timeout_s,
+                        health_timeout_s=health_timeout_s, health_grace_s=health_grace_s,
+                        connect_timeout_s=connect_timeout_s,
                         prefill_timeout_s=prefill_timeout_s, decode_idle_timeout_s=decode_idle_timeout_s)

@@ -10,7 +10,12 @@ An instance starts unhealthy ("not checked yet") and becomes healthy when its
 
 A connect error marks an instance down at once; a /health check that started
 before that moment cannot bring it back (it may have been answered by the
-process that just died), only a later one can.
+process that just died), only a later one can. A check that answers with
+another status, or cannot connect, marks it unhealthy at once too; one that
+times out does so only once the instance has not answered 200 for a grace
+period (RouterConfig.health_grace_s): on a loaded host a live server's /health
+can take longer than the check's timeout for several seconds in a row, and an
+instance marked unhealthy then turns requests it would have served into 503s.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class InstanceState:
     served: int = 0  # requests it has been chosen for
     changed_at: float = field(default_factory=time.monotonic)  # last health change
     down_at: float = float("-inf")  # last connect error (monotonic)
+    ok_at: float = float("-inf")  # last /health check answered 200 (monotonic)
+    missed: int = 0  # /health checks timed out in a row since then
 
     @property
     def name(self) -> str:
@@ -104,17 +111,29 @@ def mark_down(inst: InstanceState, reason: str, now: float | None = None) -> boo
     return was
 
 
-def record_check(inst: InstanceState, ok: bool, reason: str, started_at: float) -> bool:
+def record_check(inst: InstanceState, ok: bool, reason: str, started_at: float, *,
+                 timed_out: bool = False, grace_s: float = 0.0, now: float | None = None) -> bool:
     """A /health check that started at `started_at` ended (`ok`: it answered 200).
 
     Returns True when the instance's health changed. A success from a check
-    that started before the last connect error is ignored.
+    that started before the last connect error is ignored. A check that
+    `timed_out` leaves a healthy instance healthy while its last 200 is less
+    than `grace_s` old (`inst.missed` counts such checks); any other failure
+    marks it unhealthy at once.
     """
     if ok and started_at < inst.down_at:
         return False
+    now = time.monotonic() if now is None else now
+    if ok:
+        inst.ok_at, inst.missed = now, 0
+    elif timed_out and inst.healthy and now - inst.ok_at < grace_s:
+        inst.missed += 1
+        return False
+    if timed_out and inst.missed:
+        reason = f"{reason} ({inst.missed + 1} checks in a row; no 200 for {now - inst.ok_at:.1f} s)"
     changed = inst.healthy != ok
     inst.healthy = ok
     inst.reason = "" if ok else reason
     if changed:
-        inst.changed_at = time.monotonic()
+        inst.changed_at = now
     return changed
