@@ -6,6 +6,12 @@ lines, through kvctl's router; 2P2D's requests reach every P and every D, each D
 from the P the router paired it with; the MultiConnector cluster reports what each child
 did (NIXL moved the KV, the FS child saved it in the instance's own dir).
 
+`v1-seed-replica-nixl` (issue 21's seed topology with NIXL as the transfer child: P =
+MultiConnector [NixlConnector, LMCacheMPConnector] with its LMCache server, D = NixlConnector):
+each child's evidence per request (P's `Finished sending`, the LMCache server's Stored lines,
+D's pull), and a second round after a P restart served by LMCache (retrieved rises, outputs
+unchanged, both rounds' TTFT reported). Its logs are kept (`--keep`) for a failure to read.
+
 Then `kvctl bench serve` with FS P/D, NIXL P/D and the plain server in one run (3
 requests, concurrency 1): three targets, each with its figures and its ratios to the
 plain server, NIXL's requests served by the transfer, the table naming all three.
@@ -27,6 +33,7 @@ import yaml
 
 from conftest import Kvctl, live_processes_under
 from e2e_helpers import slot_lock_path
+from test_lmcache_e2e import _require_lmcache
 from test_nixl_e2e import require_nixl
 from test_v1_e2e import V1_PYTHON_ENV, _python_or_skip
 
@@ -50,18 +57,18 @@ def nixl_kvctl(tmp_path: Path) -> Kvctl:
     return run
 
 
-def _run_scenario(run: Kvctl, name: str, retry_on: frozenset[str] = frozenset()) -> dict:
-    """`kvctl scenario run NAME --json`, which must pass. `retry_on`: check names whose failure
+def _run_scenario(run: Kvctl, name: str, retry_on: frozenset[str] = frozenset(), *args: str) -> dict:
+    """`kvctl scenario run NAME --json ARGS`, which must pass. `retry_on`: check names whose failure
     alone (every failed check among them) gets one more run, printed first (load-induced lag on 2
-    shared cores); any other failure fails at once."""
-    r = run("scenario", "run", name, "--json", timeout=RUN_TIMEOUT_S)
+    shared cores); any other failure fails at once (with `--keep`, naming the kept logs)."""
+    r = run("scenario", "run", name, "--json", *args, timeout=RUN_TIMEOUT_S)
     report = json.loads(r.stdout) if r.stdout.strip() else {}
     failed = [(i, c["name"], c["evidence"][:1500]) for i, req in enumerate((report.get("verify") or {}).get("requests", []))
               for c in req["checks"] if not c["passed"]]
     if r.rc != 0 and failed and retry_on and all(name_ in retry_on for _, name_, _ in failed):
         print(f"{name}: first run failed only {sorted({n for _, n, _ in failed})}, run again: {failed}")
-        return _run_scenario(run, name)
-    assert r.rc == 0 and report.get("passed") is True, (r.rc, failed, r.stderr[-3000:])
+        return _run_scenario(run, name, frozenset(), *args)
+    assert r.rc == 0 and report.get("passed") is True, (r.rc, failed, report.get("kept"), r.stderr[-3000:])
     assert live_processes_under(run.home) == []
     return report
 
@@ -208,3 +215,42 @@ def test_an_attached_nixl_cluster_without_logs_is_judged_from_metrics_deltas(fs_
         assert sent["passed"] and "NIXL read(s)" in sent["evidence"], sent
         assert _check(req, "store_entry_written").get("observable") is False  # the params are in D's log only
         assert _check(req, "output_matches_baseline")["passed"]
+
+
+def test_v1_seed_replica_nixl_each_child_and_a_second_round_served_by_lmcache(nixl_kvctl, vllm_slot):
+    _require_lmcache(Path(nixl_kvctl.env[V1_PYTHON_ENV]))
+    report = _run_scenario(nixl_kvctl, "v1-seed-replica-nixl", frozenset(), "--keep")
+    assert [p["name"] for p in report["phases"]] == ["launch", "verify", "second_round", "inspect", "down"]
+    rnd = report["second_round"]
+    for req in report["verify"]["requests"]:
+        # the NIXL checks on vLLM's own lines (P's Finished sending, D computing none of the prompt)
+        assert all(c["passed"] and c.get("observable", True) for c in req["checks"]), req["checks"]
+        assert {c["name"] for c in req["checks"]} == {*CHECKS, OFFLOAD_CHECK}
+        sent = _check(req, "kv_send_logged")["evidence"]
+        assert "Finished sending KV transfer for request" in sent and req["request_id"] in sent
+        assert "computed=0 of prompt_tokens=" in _check(req, "decode_skipped_forward")["evidence"]
+        offload = _check(req, OFFLOAD_CHECK)["evidence"]
+        assert "LMCacheMPConnector (child 1)" in offload and "lmcache-prefill" in offload, offload
+        kids = req["children"]  # each child's own part: NIXL sent it, LMCache stored it, D pulled it
+        transfer, stored, load = kids["transfer"], kids["offload"], kids["load"]
+        assert transfer["connector"] == "NixlConnector" and transfer["child"] == 0 and transfer["instance"] == "prefill"
+        assert "Finished sending KV transfer" in transfer["lines"][0] and transfer["tokens"] == load["tokens"]
+        assert stored["connector"] == "LMCacheMPConnector" and stored["child"] == 1, stored
+        assert load["connector"] == "NixlConnector" and load["child"] is None and load["instance"] == "decode"
+        assert "Finished recving KV transfer" in load["lines"][0], load
+        assert load["tokens"] + (load["prefix_cached"] or 0) == req["prompt_tokens"], (req["prompt_tokens"], load)
+        if req["prompt_tokens"] >= 256:  # whole 256-token chunks: the LMCache server's own line
+            assert "Stored " in offload and stored["stored"] >= req["prompt_tokens"] // 256 * 256, stored
+    # round 2, after P's restart: its prefix cache is gone, its LMCache server is not
+    assert rnd["restarted"] == ["prefill"] and rnd["passed"] and rnd["outputs_unchanged"], rnd
+    lm = rnd["lmcache"]
+    assert lm["retrieved_rose"] and lm["retrieved_tokens"]["after"] > lm["retrieved_tokens"]["before"], lm
+    second = rnd["verify"]["requests"]
+    assert all(r["passed"] for r in second), [r["checks"] for r in second if not r["passed"]]
+    assert all(r["children"]["transfer"]["connector"] == "NixlConnector" for r in second)  # D still pulls from P
+    served = [r for r in second if r["children"]["offload"]["retrieved"]]
+    assert served and all("Retrieved " in _check(r, OFFLOAD_CHECK)["evidence"] for r in served), second
+    print("v1-seed-replica-nixl:", json.dumps({
+        "wall_s": report["wall_s"], "restart_s": rnd["restart_s"], "lmcache": lm,
+        "retrieved_per_prompt": [(r["prompt_tokens"], r["children"]["offload"]["retrieved"]) for r in second],
+        "ttft": rnd["ttft"]}))
