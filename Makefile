@@ -65,10 +65,13 @@ $(TESTSTAMP): $(TESTENV)/kvctl-rig.json pyproject.toml
 
 test-env: $(TESTSTAMP)
 
-# Docker engine (installed if missing, started if not running) and the CPU image.
+# Docker engine (installed if missing, started if not running) and the CPU images: V0,
+# and V1 with its extras (NIXL, LMCache) for the docker LMCache tests. Each layer is keyed
+# by its inputs: a second run returns at once.
 docker-ready: venv
 	bash scripts/ensure-docker.sh
 	$(KVCTL) image build cpu
+	$(KVCTL) image build cpu --engine v1
 
 # openssh-server and sshfs: the store-across-hosts tests mount a store through a loopback
 # sshd (tests/sshfs.py starts and stops their own; this only installs, once).

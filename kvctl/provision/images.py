@@ -338,11 +338,10 @@ def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str],
 def default_image(kind: str, engine: str = DEFAULT_ENGINE) -> str:
     """The image `kvctl image build KIND` makes for this kvctl with default options, for vLLM `engine`.
 
-    cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest
-    (engine v1: kvctl-gpu-v1:latest), which every GPU build moves (its hash needs
-    the base image's id). There is no V1 cpu image (the cpu image is the V0
-    rig's): cpu with engine v1 raises BadInput (field `engine`) saying what runs
-    V1 instead.
+    cpu: its content tag (computed here, no engine needed; kvctl-cpu, or kvctl-cpu-v1
+    for v1); gpu: kvctl-gpu:latest (engine v1: kvctl-gpu-v1:latest), which every GPU
+    build moves (its hash needs the base image's id). Raises BadInput (field `engine`)
+    for an unknown engine.
     """
     if engine not in ENGINES:
         raise BadInput(f"unknown engine {engine!r}", field="engine", fix=f"use one of: {', '.join(ENGINES)}")
