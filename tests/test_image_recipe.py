@@ -130,6 +130,9 @@ def test_v1_cpu_image_is_the_v1_rig_then_its_extras_then_the_overlay(monkeypatch
 
     v0, v1 = images.plan_rig(), images.plan_rig("v1")
     assert v0.tag.startswith("kvctl-rig:") and v1.tag.startswith("kvctl-rig-v1:") and v0.tag[10:] != v1.tag[13:]
+    # V1's sampler is compiled by torch inductor at the first request: its base has a compiler
+    assert {"g++", "python3-dev"} <= set(images.ENGINE_BASE_PACKAGES["v1"])
+    assert v1.base_image == images.base_tag("v1") != images.base_tag("v0") == v0.base_image
     assert json.loads(dict(v1.files)["build/rig-spec.json"])["engine"] == "v1"
     ext = images.plan_extras(v1, "v1")
     assert images.plan_extras(v0, "v0") is None

@@ -6,7 +6,7 @@ stale image. The CPU image follows the host's split: a heavy rig layer keyed
 by the rig's inputs, and a thin layer with this kvctl's overlay.
 
     kvctl-base:<h>  mmdebstrap rootfs (the host's Debian suite and apt sources,
-                    BASE_PACKAGES) → `docker import`; no registry involved
+                    ENGINE_BASE_PACKAGES) → `docker import`; no registry involved
     kvctl-rig:<h>   docker/Dockerfile.rig FROM kvctl-base: the rig recipe of
                     kvctl/provision/rig.py with its pins (~6.5 GB, minutes);
                     <h> covers the base, the pins, Dockerfile.rig and
@@ -73,6 +73,9 @@ DEFAULT_GPU_BASES = {"v0": DEFAULT_GPU_BASE,
 GPU_DOCKERFILES = {"v0": "Dockerfile.gpu", "v1": "Dockerfile.gpu-v1"}
 # The base rootfs: what the rig needs to create a venv and run torch/vLLM CPU.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libgomp1", "procps")
+# Per engine: V1's CPU sampler is compiled by torch inductor at the first request, which needs a
+# C++ compiler and Python's headers (without them the engine dies: `InvalidCxxCompiler`).
+ENGINE_BASE_PACKAGES = {"v0": BASE_PACKAGES, "v1": (*BASE_PACKAGES, "g++", "python3-dev")}
 # The rig recipe: kvctl/provision/rig.py and every kvctl module it imports (standard
 # library only), copied to build/ for docker/rig-install.py. Paths in the kvctl package.
 RECIPE_FILES = ("kvctl/__init__.py", "kvctl/errors.py", "kvctl/paths.py", "kvctl/subprocesses.py",
@@ -207,9 +210,10 @@ def debian_release() -> tuple[str, str]:
     return suite, "\n\n".join(t for t in texts if t) + "\n"
 
 
-def base_tag() -> str:
+def base_tag(engine: str = DEFAULT_ENGINE) -> str:
+    """The Debian base of `engine`'s rig image, keyed by this host's suite, sources and its packages."""
     suite, sources = debian_release()
-    return f"{REPOS['base']}:{_tag_hash(['base', suite, sources, list(BASE_PACKAGES)])}"
+    return f"{REPOS['base']}:{_tag_hash(['base', suite, sources, list(ENGINE_BASE_PACKAGES[engine])])}"
 
 
 def pip_find_links() -> list[Path]:
@@ -273,7 +277,7 @@ def image_extras(engine: str = DEFAULT_ENGINE) -> list[str]:
 
 def plan_rig(engine: str = DEFAULT_ENGINE) -> BuildPlan:
     """`engine`'s rig image: keyed by the rig's inputs, not by the recipe's code or the CA bundle."""
-    base = base_tag()
+    base = base_tag(engine)
     keyed = (("Dockerfile", _docker_file("Dockerfile.rig")),
              ("build/rig-spec.json", rig_spec_json(engine)),
              ("build/rig-install.py", _docker_file("rig-install.py")))
@@ -384,7 +388,7 @@ def _log_for(tag: str) -> Path:
     return kvctl_home() / "images" / (tag.replace(":", "-").replace("/", "_") + ".log")
 
 
-def _build_base(client: Any, tag: str, emit: Progress) -> None:
+def _build_base(client: Any, tag: str, emit: Progress, packages: tuple[str, ...] = BASE_PACKAGES) -> None:
     """mmdebstrap a minimal rootfs of this host's suite into a tar, `docker import` it.
 
     Raises BadInput when mmdebstrap is missing, RuntimeFailure when it fails.
@@ -392,14 +396,14 @@ def _build_base(client: Any, tag: str, emit: Progress) -> None:
     suite, sources = debian_release()
     blog = _BuildLog(_log_for(tag), tag, emit)
     emit(ImageEvent("log", tag, str(blog.path)))
-    emit(ImageEvent("start", tag, f"mmdebstrap {suite} ({', '.join(BASE_PACKAGES)})"))
+    emit(ImageEvent("start", tag, f"mmdebstrap {suite} ({', '.join(packages)})"))
     tmpdir = kvctl_home() / "images" / "tmp"
     tmpdir.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=tmpdir) as tmp:
             rootfs = Path(tmp) / "rootfs.tar"
             argv = ["nice", "-n", "10", "mmdebstrap", "--variant=minbase",
-                    "--include=" + ",".join(BASE_PACKAGES), suite, str(rootfs), "-"]
+                    "--include=" + ",".join(packages), suite, str(rootfs), "-"]
             try:
                 # The host's apt sources go in on stdin ("-").
                 done = run_streamed(argv, blog.line, input_text=sources)
@@ -535,7 +539,7 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
                 if _image(client, layer.tag) is not None:
                     continue
                 if layer is rig and _image(client, rig.base_image) is None:
-                    _build_base(client, rig.base_image, emit)
+                    _build_base(client, rig.base_image, emit, ENGINE_BASE_PACKAGES[engine])
                     emit(ImageEvent("done", rig.base_image, f"{time.monotonic() - t0:.0f} s"))
                 t1 = time.monotonic()
                 _build(client, layer, emit)
