@@ -243,16 +243,19 @@ def test_docker_checks_the_image_holds_the_engine_and_the_extras_before_anything
                             port=1, cwd=tmp_path, log_path=tmp_path / "p.log", kv_transfer_config=cfg,
                             engine=engine)
 
-    v1_cpu = {"kvctl.engine": "v1", "kvctl.extras": "nixl lmcache", "kvctl.sites": "/opt/kvctl/sites"}
+    v1_cpu = {"kvctl.device": "cpu", "kvctl.engine": "v1", "kvctl.extras": "nixl lmcache",
+              "kvctl.sites": "/opt/kvctl/sites"}
     runtime(v1_cpu).check_instance(spec(_p()))  # the CPU V1 image: runs it
     with pytest.raises(BadInput) as e:  # the V0 CPU image (no engine label): wrong engine
-        runtime({}).check_instance(spec(_p()))
+        runtime({"kvctl.device": "cpu"}).check_instance(spec(_p()))
     assert e.value.fields == ("image",) and "runs vLLM engine v0" in e.value.what
-    with pytest.raises(BadInput) as e:  # a V1 image without LMCache
-        runtime({"kvctl.engine": "v1", "kvctl.extras": "nixl"}).check_instance(spec(_p()))
+    with pytest.raises(BadInput) as e:  # a V1 CPU image without LMCache
+        runtime({"kvctl.device": "cpu", "kvctl.engine": "v1", "kvctl.extras": "nixl"}).check_instance(spec(_p()))
     assert e.value.fields == ("image",) and "'lmcache'" in e.value.what
     assert "`kvctl image build cpu` for engine v1" in e.value.fix
-    runtime({"kvctl.engine": "v1"}).check_instance(spec(D))  # no extra needed
+    runtime({"kvctl.device": "cpu", "kvctl.engine": "v1"}).check_instance(spec(D))  # no extra needed
+    runtime({"kvctl.device": "gpu", "kvctl.engine": "v1"}).check_instance(spec(_p()))  # the GPU image's own
+    runtime({}).check_instance(spec(_p()))  # an image that is not kvctl's: taken as it is
     # its servers get the extra's site-packages after the overlay, in the image's paths
     _, env = runtime(v1_cpu).command(spec(_p()), v1_cpu)
     assert env["PYTHONPATH"] == "/opt/kvctl/overlay:/opt/kvctl/sites/lmcache"

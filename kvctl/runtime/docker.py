@@ -410,17 +410,20 @@ class DockerRuntime:
             self._image(role)
 
     def check_instance(self, spec: InstanceSpec) -> None:
-        """Raises BadInput (before anything starts) when the role's image runs another vLLM engine
-        than `spec`'s, or lacks an extra its connectors need (a CPU image has its engine's extras,
-        labelled `kvctl.extras`; a GPU image has LMCache, labelled `kvctl.lmcache`)."""
+        """Raises BadInput (before anything starts) when the role's image is one of kvctl's and runs
+        another vLLM engine than `spec`'s (label `kvctl.engine`; the V0 CPU image has none), or
+        lacks an extra its connectors need (label `kvctl.extras` of the CPU images; a GPU image
+        keeps the official image's packages plus LMCache, and any other image is taken as it is)."""
         ref, labels = self._image(spec.role)
-        engine = labels.get("kvctl.engine", "v0")
-        if engine != spec.engine:
+        engine = labels.get("kvctl.engine") or ("v0" if labels.get("kvctl.device") == "cpu" else None)
+        if engine is not None and engine != spec.engine:
             raise BadInput(f"image {ref} runs vLLM engine {engine}, the {spec.instance} server engine "
                            f"{spec.engine}", field="image",
                            fix=f"leave the image out (kvctl picks the engine's own), or build it with "
                                f"`kvctl image build cpu` for engine {spec.engine}")
-        has = set(labels.get("kvctl.extras", "").split()) | ({"lmcache"} if labels.get("kvctl.lmcache") else set())
+        if labels.get("kvctl.device") != "cpu":
+            return
+        has = set(labels.get("kvctl.extras", "").split())
         for extra in needed_extras(spec.kv_transfer_config):
             if extra.name not in has:
                 raise BadInput(f"the {spec.instance} config needs the extra {extra.name!r} ({extra.summary}), "
