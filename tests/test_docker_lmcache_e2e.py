@@ -68,8 +68,7 @@ def test_v1_seed_replica_runs_in_containers_with_each_childs_evidence(seed_repli
 
 
 @pytest.fixture(scope="module")
-def docker_cluster(tmp_path_factory, module_slot, main_engine, v1_image,
-                   seed_replica_docker) -> Iterator[tuple[Kvctl, dict]]:
+def docker_cluster(tmp_path_factory, module_slot, main_engine, v1_image) -> Iterator[tuple[Kvctl, dict]]:
     run = _kvctl(tmp_path_factory, "docker-lmcache")
     res = run("launch", "1p1d", "--runtime", "docker", "--image", v1_image, "--engine", "v1", "--name", "dlmc",
               "--prefill-config", json.dumps(P_CONFIG), "--decode-config", json.dumps(D_CONFIG), "--json",
@@ -88,7 +87,7 @@ def test_the_server_is_a_container_on_the_clusters_network(docker_cluster, main_
     assert name == "lmcache-prefill" and rec["runtime"] == "docker"
     container = main_engine.containers.get(rec["container_id"])
     assert container.status == "running" and container.labels["kvctl.role"] == "lmcache"
-    prefill = main_engine.containers.get(state["instances"]["prefill"]["runtime_fields"]["container_id"])
+    prefill = main_engine.containers.get(state["instances"]["prefill"]["container_id"])
     networks = set(container.attrs["NetworkSettings"]["Networks"])
     assert networks & set(prefill.attrs["NetworkSettings"]["Networks"]), "P and its server share no network"
     extra = state["instances"]["prefill"]["kv_transfer_config"]["kv_connector_extra_config"]["connectors"][1]
