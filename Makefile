@@ -24,7 +24,8 @@ PYTEST_ARGS ?=
 # $$KVCTL_HOME/models: the demo serves it, the tests find it there (as the rig).
 REAL_MODEL := SmolLM2-135M-Instruct
 
-.PHONY: venv rig rig-v1 real-model test-env docker-ready sshfs-ready demo test test-fast bench clean FORCE
+.PHONY: venv rig rig-v1 real-model test-env docker-engine docker-image-v0 docker-image-v1 docker-ready sshfs-ready \
+	demo test test-fast bench clean FORCE
 
 # kvctl itself: light (no torch, no vLLM), for driving clusters.
 $(STAMP): pyproject.toml
@@ -65,10 +66,20 @@ $(TESTSTAMP): $(TESTENV)/kvctl-rig.json pyproject.toml
 
 test-env: $(TESTSTAMP)
 
-# Docker engine (installed if missing, started if not running) and the CPU image.
-docker-ready: venv
+# Docker engine (installed if missing, started if not running) and the CPU images: V0,
+# and V1 with its extras (NIXL, LMCache) for the docker LMCache tests. Each layer is keyed
+# by its inputs: a second run returns at once. The two images build side by side
+# (`make -j`): each mostly waits on the package registry.
+docker-engine: venv
 	bash scripts/ensure-docker.sh
+
+docker-image-v0: docker-engine
 	$(KVCTL) image build cpu
+
+docker-image-v1: docker-engine
+	$(KVCTL) image build cpu --engine v1
+
+docker-ready: docker-image-v0 docker-image-v1
 
 # openssh-server and sshfs: the store-across-hosts tests mount a store through a loopback
 # sshd (tests/sshfs.py starts and stops their own; this only installs, once).
@@ -81,7 +92,7 @@ demo: rig real-model
 # The docker images and the V1 rig are independent installs (each under its own
 # lock): side by side they save minutes on a fresh machine.
 test: test-env
-	$(MAKE) -j2 docker-ready rig-v1 real-model sshfs-ready
+	$(MAKE) -j3 docker-ready rig-v1 real-model sshfs-ready
 	bash scripts/ensure-fuse.sh
 	KVCTL_REQUIRE_RIG=1 KVCTL_REQUIRE_RIG_V1=1 KVCTL_REQUIRE_DOCKER=1 KVCTL_REQUIRE_SSHFS=1 KVCTL_REQUIRE_FUSE=1 \
 	  $(TESTPY) -m pytest -n $(JOBS) --dist loadgroup -p no:cacheprovider --durations=25 $(PYTEST_ARGS) tests

@@ -55,21 +55,23 @@ def engine_client() -> Any:
         skip_or_fail(f"no Docker engine: {e.what} (scripts/ensure-docker.sh starts one)")
 
 
-def cpu_image(client: Any) -> str:
-    """This checkout's CPU image tag, which must already exist (tests never build it).
+def cpu_image(client: Any, engine: str = "v0") -> str:
+    """This checkout's CPU image tag of vLLM `engine`, which must already exist (tests never build it).
 
-    $KVCTL_TEST_CPU_IMAGE overrides it: for working in a checkout others edit,
-    where the content tag moves with every saved file.
+    $KVCTL_TEST_CPU_IMAGE (v0) or $KVCTL_TEST_CPU_IMAGE_V1 (v1) overrides it: for working in a
+    checkout others edit, where the content tag moves with every saved file.
     """
     import docker.errors
 
     from kvctl.provision.images import default_image
 
-    tag = os.environ.get("KVCTL_TEST_CPU_IMAGE") or default_image("cpu")
+    override = "KVCTL_TEST_CPU_IMAGE" + ("" if engine == "v0" else f"_{engine.upper()}")
+    tag = os.environ.get(override) or default_image("cpu", engine)
     try:
         client.images.get(tag)
     except docker.errors.ImageNotFound:
-        skip_or_fail(f"CPU image {tag} is not built: run `kvctl image build cpu`")
+        skip_or_fail(f"CPU image {tag} is not built: run `kvctl image build cpu"
+                     + ("`" if engine == "v0" else f" --engine {engine}`"))
     return tag
 
 

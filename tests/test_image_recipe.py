@@ -122,10 +122,71 @@ def test_cpu_image_is_the_rig_image_plus_this_kvctls_overlay(monkeypatch):
     assert images.plan_cpu().tag != cpu.tag  # ... new thin layer
 
 
+def test_v1_cpu_image_is_the_v1_rig_then_its_extras_then_the_overlay(monkeypatch, tmp_path):
+    """Engine v1 on CPU: the V1 rig's pins in Dockerfile.rig (the V0 rig's key untouched), its extras
+    in a layer of their own keyed by their pins, the overlay on top; the host's own wheel of the
+    torch pin (not on the registry as a CPU build) goes into the rig's context, unkeyed."""
+    from kvctl.provision import extras, images
+
+    v0, v1 = images.plan_rig(), images.plan_rig("v1")
+    assert v0.tag.startswith("kvctl-rig:") and v1.tag.startswith("kvctl-rig-v1:") and v0.tag[10:] != v1.tag[13:]
+    # V1's sampler is compiled by torch inductor at the first request: its base has a compiler
+    assert {"g++", "python3-dev"} <= set(images.ENGINE_BASE_PACKAGES["v1"])
+    assert v1.base_image == images.base_tag("v1") != images.base_tag("v0") == v0.base_image
+    assert json.loads(dict(v1.files)["build/rig-spec.json"])["engine"] == "v1"
+    ext = images.plan_extras(v1, "v1")
+    assert images.plan_extras(v0, "v0") is None
+    assert ext.tag.startswith("kvctl-extras-v1:") and ext.base_image == v1.tag
+    assert ext.build_args == {"RIG_IMAGE": v1.tag, "EXTRAS": "nixl lmcache", "ENGINE": "v1"}
+    names = {n for n, _ in ext.files}
+    assert {"Dockerfile", "build/extras-install.py", "build/kvctl/provision/extras.py"} <= names
+    cpu = images.plan_cpu(engine="v1")
+    assert cpu.tag.startswith("kvctl-cpu-v1:") and cpu.build_args == {"RIG_IMAGE": ext.tag}
+    assert images.default_image("cpu", "v1") == cpu.tag
+    text = (ROOT / "docker" / "Dockerfile.extras").read_text()
+    assert f"kvctl.sites={images.IMAGE_SITES}" in text and "kvctl.engine=${ENGINE}" in text
+    # a new pin of an extra: a new extras layer, the same rig
+    pinned = dataclasses.replace(extras.LMCACHE, installs=(extras.PipInstall(("lmcache==9.9",), deps=False),))
+    monkeypatch.setitem(extras.EXTRAS, "lmcache", pinned)
+    assert images.plan_rig("v1").tag == v1.tag and images.plan_extras(v1, "v1").tag != ext.tag
+
+    # local wheels: found in PIP_FIND_LINKS dirs, carried as host files, named in the image's spec
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"wheel")
+    (wheels / "torch-2.130.0-cp311-cp311-any.whl").write_bytes(b"another version")
+    monkeypatch.setattr(images, "pip_find_links", lambda: [wheels])
+    assert [w.name for w in images.local_wheels(("torch==2.13.0",))] == [
+        "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    plan = images.plan_rig("v1")
+    assert [n for n, _ in plan.host_files] == ["build/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl"]
+    assert json.loads(dict(plan.files)["build/rig-spec.json"])["pip_args"][-2:] == ["--find-links",
+                                                                                   images.IMAGE_WHEELS]
+    import tarfile
+    with tarfile.open(fileobj=plan.context()) as tar:
+        assert tar.extractfile(plan.host_files[0][0]).read() == b"wheel"
+    monkeypatch.setattr(images, "pip_find_links", lambda: [])
+    assert images.plan_rig("v1").host_files == () and images.plan_rig("v1").tag != plan.tag
+
+
+def test_pip_find_links_reads_the_environment_and_pips_config(monkeypatch, tmp_path):
+    from kvctl.provision import images
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    conf = tmp_path / "pip.conf"
+    conf.write_text(f"[global]\nfind-links = file://{b} https://example.invalid/wheels\n")
+    monkeypatch.setenv("PIP_FIND_LINKS", f"{a} {tmp_path / 'missing'}")
+    monkeypatch.setenv("PIP_CONFIG_FILE", str(conf))
+    found = images.pip_find_links()
+    assert a in found and b in found and tmp_path / "missing" not in found
+
+
 def test_dockerfiles_are_package_data_linked_to_the_top_level_docker_dir():
     from kvctl.provision import images
 
     assert images.DOCKERFILES.resolve() == (ROOT / "docker").resolve()
     for name in ("Dockerfile.rig", "Dockerfile.cpu", "Dockerfile.gpu", "rig-install.py",
-                 "patch-vllm-lmcache.py"):
+                 "patch-vllm-lmcache.py", "Dockerfile.extras", "extras-install.py"):
         assert (images.DOCKERFILES / name).is_file(), name

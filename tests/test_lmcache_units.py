@@ -227,18 +227,69 @@ def test_render_k8s_shared_lmcache_is_one_service(tmp_path):
     assert '"lmcache.mp.host":"tcp://seed-lmcache"' in " ".join(pod["containers"][0]["args"])
 
 
-def test_docker_refuses_an_lmcache_mp_config_before_anything_starts(tmp_path):
+def test_docker_checks_the_image_holds_the_engine_and_the_extras_before_anything_starts(tmp_path):
+    """The role's image must run the instance's engine and hold the extras its connectors need
+    (labels of the images `kvctl image build` makes; the engine is not asked: labels given)."""
     from kvctl.runtime.base import InstanceSpec
     from kvctl.runtime.docker import DockerRuntime
 
-    def spec(cfg: dict) -> InstanceSpec:
-        return InstanceSpec(cluster="c", role="prefill", model=tmp_path, served_model_name="m", dtype="float32",
-                            port=1, cwd=tmp_path, log_path=tmp_path / "p.log", kv_transfer_config=cfg)
+    def runtime(labels: dict) -> DockerRuntime:
+        rt = DockerRuntime(engines={"prefill": "v1", "decode": "v1"})
+        rt._images = {r: ("img:1", labels) for r in ("prefill", "decode")}
+        return rt
 
+    def spec(cfg: dict, engine: str = "v1") -> InstanceSpec:
+        return InstanceSpec(cluster="c", role="prefill", model=tmp_path, served_model_name="m", dtype="float32",
+                            port=1, cwd=tmp_path, log_path=tmp_path / "p.log", kv_transfer_config=cfg,
+                            engine=engine)
+
+    v1_cpu = {"kvctl.device": "cpu", "kvctl.engine": "v1", "kvctl.extras": "nixl lmcache",
+              "kvctl.sites": "/opt/kvctl/sites"}
+    runtime(v1_cpu).check_instance(spec(_p()))  # the CPU V1 image: runs it
+    with pytest.raises(BadInput) as e:  # the V0 CPU image (no engine label): wrong engine
+        runtime({"kvctl.device": "cpu"}).check_instance(spec(_p()))
+    assert e.value.fields == ("image",) and "runs vLLM engine v0" in e.value.what
+    with pytest.raises(BadInput) as e:  # a V1 CPU image without LMCache
+        runtime({"kvctl.device": "cpu", "kvctl.engine": "v1", "kvctl.extras": "nixl"}).check_instance(spec(_p()))
+    assert e.value.fields == ("image",) and "'lmcache'" in e.value.what
+    assert "`kvctl image build cpu` for engine v1" in e.value.fix
+    runtime({"kvctl.device": "cpu", "kvctl.engine": "v1"}).check_instance(spec(D))  # no extra needed
+    runtime({"kvctl.device": "gpu", "kvctl.engine": "v1"}).check_instance(spec(_p()))  # the GPU image's own
+    runtime({}).check_instance(spec(_p()))  # an image that is not kvctl's: taken as it is
+    # its servers get the extra's site-packages after the overlay, in the image's paths
+    _, env = runtime(v1_cpu).command(spec(_p()), v1_cpu)
+    assert env["PYTHONPATH"] == "/opt/kvctl/overlay:/opt/kvctl/sites/lmcache"
+    assert "PYTHONPATH" not in runtime(v1_cpu).command(spec(D), v1_cpu)[1]  # the image's own
+
+
+def test_where_instances_reach_their_lmcache_server(tmp_path):
+    """Local: loopback. Docker: a bridged instance by the server's container name on the cluster's
+    network, a host-network (NIXL) one at the published address; never across two engines."""
+    from kvctl.cluster.lmcache import LMCacheServer
+    from kvctl.cluster.lmcache_process import service_spec
+    from kvctl.runtime.base import InstanceSpec
+    from kvctl.runtime.docker import DockerRuntime, service_container_name
+    from kvctl.runtime.docker_options import DockerOptions
+    from kvctl.runtime.local import LocalRuntime
+
+    service = service_spec(LMCacheServer("lmcache-prefill", ("prefill",), 5555, 5556), "c", "prefill", tmp_path)
+    assert service.arguments("0.0.0.0")[:3] == ["server", "--host", "0.0.0.0"]
+    assert service.ports == (5555, 5556) and service.url_port == 5556 and service.extra == "lmcache"
+
+    def client(cfg: dict, role: str = "prefill") -> InstanceSpec:
+        return InstanceSpec(cluster="c", role=role, model=tmp_path, served_model_name="m", dtype="float32",
+                            port=1, cwd=tmp_path, log_path=tmp_path / "p.log", kv_transfer_config=cfg, engine="v1")
+
+    nixl = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    assert LocalRuntime().service_host(service, client(_p())) == "127.0.0.1"
+    docker = DockerRuntime()
+    assert docker.service_host(service, client(_p())) == service_container_name(service)
+    assert service_container_name(service).startswith("kvctl-c-lmcache-prefill-")
+    assert docker.service_host(service, client(nixl)) == "127.0.0.1"
+    two = DockerRuntime(DockerOptions(prefill_host="tcp://a:2375", decode_host="tcp://b:2375"))
     with pytest.raises(BadInput) as e:
-        DockerRuntime().check_instance(spec(_p()))
-    assert e.value.fields == ("prefill_config",) and "LMCacheMPConnector" in e.value.what
-    DockerRuntime().check_instance(spec(D))  # anything else: nothing to refuse
+        two.service_host(service, client(_p(), "decode"))
+    assert e.value.fields == ("lmcache_sharing",)
 
 
 def test_each_childs_evidence_is_its_own_field_and_column(tmp_path):

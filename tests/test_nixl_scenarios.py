@@ -100,7 +100,7 @@ def test_v1_nixl_1p1d_scenario(nixl_kvctl, vllm_slot):
 
 def test_v1_nixl_2p2d_scenario_pairs_every_p_with_every_d(nixl_kvctl, vllm_slot):
     report = _run_scenario(nixl_kvctl, "v1-nixl-2p2d")
-    _assert_nixl_evidence(report, 4)
+    _assert_nixl_evidence(report, 2)  # one prompt per P-D pair (round robin): each D pulls once
     verify = report["verify"]
     assert verify["run_failures"] == [] and verify["instance_notes"] == []
     served = {name: v["served"] for name, v in verify["instances"].items()}

@@ -37,10 +37,9 @@ class FakeHost(catalog.Host):
             return "no Docker engine answers"
         return None if ref in self.has["images"] else f"{ref} is not on the docker engine"
 
-    def default_image(self, gpus, engine):
-        if engine != "v0":
-            return f"kvctl-gpu-{engine}:latest"
-        return "kvctl-gpu:latest" if gpus else "kvctl-cpu:abc"
+    def default_image(self, gpus, engine):  # the runtime's rule (catalog.Host.default_image)
+        suffix = "" if engine == "v0" else f"-{engine}"
+        return f"kvctl-gpu{suffix}:latest" if gpus else f"kvctl-cpu{suffix}:abc"
 
     def rig_missing(self, engine):
         return None if engine in self.has["rigs"] else f"the {engine} rig is not installed"
@@ -113,7 +112,7 @@ def test_shipped_v1_scenarios_validate_and_run_on_v1():
         s = load_scenario(name)
         assert (s.name, s.engine, s.runtime) == (name, "v1", runtime)
         assert all(s.role(r).engine is None for r in ("prefill", "decode"))  # both roles on v1
-    assert load_scenario("v1-fs-1p1d-gpu").image == images_v1_latest()
+    assert load_scenario("v1-fs-1p1d-gpu").image == "kvctl-gpu-v1:latest"
     row = catalog.describe_scenario(shipped("v1-fs-1p1d-gpu"), FakeHost(env={"KVCTL_MODELS": "/m"}))
     assert row["missing"] == ["image kvctl-gpu-v1:latest"]
 
@@ -123,23 +122,24 @@ def test_validate_accepts_the_v1_scenario(kvctl):
     assert r.rc == 0, r
 
 
-def images_v1_latest() -> str:
+def images_v1_cpu() -> str:
     from kvctl.provision.images import default_image
 
-    return default_image("gpu", "v1")
+    return default_image("cpu", "v1")
 
 
-def test_docker_v1_scenario_without_an_image_needs_the_v1_image(tmp_path):
+def test_docker_v1_scenario_without_an_image_needs_the_v1_cpu_image(tmp_path):
     doc = yaml.safe_load(shipped("v1-fs-1p1d-gpu").read_text())
     doc.pop("image", None)
     doc.pop("gpus", None)
     path = tmp_path / "v1-docker.yaml"
     path.write_text(yaml.safe_dump(doc))
     row = catalog.describe_scenario(path, FakeHost(images={"kvctl-cpu:abc"}, env={"KVCTL_MODELS": "/m"}))
-    assert row["missing"] == ["image kvctl-gpu-v1:latest"], row
+    assert row["missing"] == ["image kvctl-cpu-v1:abc"], row
 
 
 def test_host_default_image_follows_the_runtime_rule():
     host = catalog.Host(env={})
-    assert host.default_image(False, "v1") == images_v1_latest()
+    assert host.default_image(False, "v1") == images_v1_cpu()
+    assert host.default_image(True, "v1") == "kvctl-gpu-v1:latest"
     assert host.default_image(True, "v0") == "kvctl-gpu:latest"

@@ -6,6 +6,7 @@ docker image per engine, and the V1 MultiConnector / block-size scenarios."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -23,6 +24,7 @@ from connectors.config.topology import (
 from connectors.config.validate import check_kv_transfer_config, required_engine
 from kvctl.errors import BadInput
 from kvctl.provision.images import default_image
+from kvctl.runtime.docker_options import DockerOptions
 from kvctl.runtime.docker import DockerRuntime
 from kvctl.verify.checks import CHECKS, third_party_checks
 from seed_configs import SEED_D, SEED_P
@@ -131,23 +133,26 @@ def test_kvctl_validate_says_the_engine(kvctl, tmp_path):
 
 
 def test_default_docker_image_per_engine():
+    """Each engine's CPU image without GPUs, its GPU image with them."""
     assert default_image("gpu", "v1") == "kvctl-gpu-v1:latest"
+    assert re.fullmatch(r"kvctl-cpu-v1:[0-9a-f]{16}", default_image("cpu", "v1"))
     with pytest.raises(BadInput) as e:
-        default_image("cpu", "v1")
-    assert e.value.fields == ("engine",) and "no v1 cpu image" in e.value.what
+        default_image("cpu", "v9")
+    assert e.value.fields == ("engine",)
     v1 = DockerRuntime(engines={"prefill": "v1", "decode": "v1"})
-    assert v1.image_ref("prefill") == v1.image_ref("decode") == "kvctl-gpu-v1:latest"
+    assert v1.image_ref("prefill") == v1.image_ref("decode") == default_image("cpu", "v1")
     mixed = DockerRuntime(engines={"prefill": "v0", "decode": "v1"})
-    assert mixed.image_ref("decode") == "kvctl-gpu-v1:latest"
-    assert DockerRuntime(engines={"prefill": "v1"}).image_ref("decode") != "kvctl-gpu-v1:latest"
+    assert mixed.image_ref("decode") == default_image("cpu", "v1") and mixed.image_ref("prefill") == default_image("cpu")
+    with_gpus = DockerRuntime(DockerOptions(gpus=("0", "1")), engines={"prefill": "v1", "decode": "v1"})
+    assert with_gpus.image_ref("decode") == "kvctl-gpu-v1:latest"
 
 
-def test_docker_runtime_for_a_v1_spec_picks_the_v1_image(kvctl_home, tiny_model):
+def test_docker_runtime_for_a_v1_spec_picks_the_v1_cpu_image(kvctl_home, tiny_model):
     from kvctl.cluster.spec import build_1p1d_spec
 
     spec = build_1p1d_spec(name="v1d", runtime="docker", model=tiny_model, prefill_engine="v1",
                            decode_engine="v1")
-    assert DockerRuntime.for_cluster(spec).image_ref("decode") == "kvctl-gpu-v1:latest"
+    assert DockerRuntime.for_cluster(spec).image_ref("decode") == default_image("cpu", "v1")
 
 
 @pytest.mark.parametrize("name", ["v1-multi-1p1d", "v1-multi-1p1d-gpu", "v1-block-size-mismatch",

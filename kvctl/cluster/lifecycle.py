@@ -66,7 +66,7 @@ from kvctl.runtime.base import (
     read_log_tail,
 )
 from kvctl.cluster.lmcache import READY_S as LMCACHE_READY_S
-from kvctl.cluster.lmcache_process import (answers_healthcheck, lmcache_python, plan_for_launch, server_instance,
+from kvctl.cluster.lmcache_process import (answers_healthcheck, plan_for_launch, server_instance,
                                            start_server, wait_servers_ready)
 from kvctl.cluster.router_process import router_instance, start_router
 from kvctl.signals import run_to_completion, signals_interrupt
@@ -310,11 +310,10 @@ def launch_1p1d(spec: ClusterSpec, progress: ProgressFn | None = None) -> Cluste
             for ispec in ispecs.values():
                 runtime.check_instance(ispec)  # local: each engine's rig
             # LMCache servers first (ports checked, configs pointed at them), healthy before any vLLM
-            ispecs, servers = plan_for_launch(spec, ispecs)
+            ispecs, servers = plan_for_launch(spec, ispecs, runtime, cdir)
             if servers:
-                python = lmcache_python()
-                for server in servers:
-                    state.lmcache[server.name] = start_server(server, python, cdir)
+                for server, service in servers:
+                    state.lmcache[server.name] = start_server(server, service, runtime)
                     save_cluster(state)  # at once: `kvctl down` must find it if we die
                 ready = wait_servers_ready(state.lmcache, min(LMCACHE_READY_S, spec.timeout_s))
                 log.info("LMCache servers ready: %s", ", ".join(f"{n} {s:.1f} s" for n, s in ready.items()))

@@ -1,15 +1,14 @@
-"""The LMCache servers of a launch as processes: plan their ports, start them, wait until ready.
+"""The LMCache servers of a launch: plan their ports, start them on the cluster's runtime, wait until ready.
 
-What they are and why is kvctl.cluster.lmcache; this module runs them, as
-kvctl.cluster.router_process runs the router: each in its own session with its log in
-the cluster's `logs/`, re-attached from its cluster.json record through the local
-runtime (status, logs, stop). Library code: nothing here prints.
+What they are and why is kvctl.cluster.lmcache; this module runs them as the runtime's
+services (kvctl.runtime.base.ServiceSpec): a process of the lmcache extra's venv on the
+local runtime, a container of the CPU V1 image on the docker runtime. Each logs to the
+cluster's `logs/` and is re-attached from its cluster.json record through the runtime that
+started it (status, logs, stop, kill). Library code: nothing here prints.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import replace
@@ -24,42 +23,42 @@ from kvctl.cluster.lmcache import (HEALTH_PATH, HOST, METRICS_PATH, READY_S, SER
 from kvctl.cluster.spec import ClusterSpec, check_port_free
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.net import free_ports
-from kvctl.runtime.base import Instance, InstanceSpec, read_log_tail
-from kvctl.runtime.local import LocalRuntime
-from kvctl.provision.extras import LMCACHE, ExtraVenv
-from kvctl.provision.rig import default_spec
-from kvctl.runtime.processes import process_start_ticks
+from kvctl.provision.extras import LMCACHE
+from kvctl.runtime import Runtime, get_runtime
+from kvctl.runtime.base import Instance, InstanceSpec, ServiceSpec, read_log_tail
 from kvctl.subprocesses import TAIL_LINES
 
 
-def plan_for_launch(spec: ClusterSpec, ispecs: Mapping[str, InstanceSpec]
-                    ) -> tuple[dict[str, InstanceSpec], list[LMCacheServer]]:
-    """The LMCache servers `spec`'s instances need, and their InstanceSpecs with every
-    LMCacheMPConnector pointed at its server (unchanged without any). Raises BadInput as
-    `plan_servers`."""
+def plan_for_launch(spec: ClusterSpec, ispecs: Mapping[str, InstanceSpec], runtime: Runtime, cdir: Path
+                    ) -> tuple[dict[str, InstanceSpec], list[tuple[LMCacheServer, ServiceSpec]]]:
+    """The LMCache servers `spec`'s instances need, each with its service for `runtime` (logging
+    in `cdir`), and the InstanceSpecs with every LMCacheMPConnector pointed at its server where
+    `runtime` says the instance reaches it (unchanged without any). Raises BadInput as
+    `plan_servers` and `runtime.service_host`."""
     configs = {n: s.kv_transfer_config for n, s in ispecs.items()}
     users = [n for n, cfg in configs.items() if uses_lmcache_server(cfg)]
     if not users:
         return dict(ispecs), []
     taken = {s.port for s in ispecs.values()}
     free = (p for p in free_ports(2 * len(users) + len(taken)) if p not in taken)
-    servers = plan_servers(configs, spec.lmcache, free)
-    port_of = {n: srv.port for srv in servers for n in srv.serves}
-    return {n: (replace(s, kv_transfer_config=point_at_server(s.kv_transfer_config, port_of[n]))
-                if n in port_of else s) for n, s in ispecs.items()}, servers
+    planned, servers = dict(ispecs), []
+    for server in plan_servers(configs, spec.lmcache, free):
+        service = service_spec(server, spec.name, ispecs[server.serves[0]].role, cdir)
+        servers.append((server, service))
+        for n in server.serves:
+            host = runtime.service_host(service, ispecs[n])
+            planned[n] = replace(ispecs[n], kv_transfer_config=point_at_server(
+                ispecs[n].kv_transfer_config, server.port, f"tcp://{host}"))
+    return planned, servers
 
 
-def lmcache_python() -> Path:
-    """The interpreter LMCache servers run with: the lmcache extra's venv (layered on the V1 rig).
-
-    Raises BadInput when the extra is not installed, with the command that installs it.
-    """
-    venv = ExtraVenv(LMCACHE, default_spec(LMCACHE.engine))
-    if venv.unfinished():
-        raise BadInput(f"LMCacheMPConnector needs an LMCache server, and the extra {LMCACHE.name!r} "
-                       f"({LMCACHE.summary}) is not installed", where=str(venv.dir),
-                       fix=f"run `{venv.install_command()}` (once; it keeps the steps done)")
-    return venv.python
+def service_spec(server: LMCacheServer, cluster: str, serves_role: str, cdir: Path) -> ServiceSpec:
+    """`server` as a service of the cluster's runtime: `lmcache server` from the lmcache extra."""
+    return ServiceSpec(cluster=cluster, name=server.name, role="lmcache", extra=LMCACHE.name,
+                       module=SERVER_MODULE, arguments=lambda host: server_args(server, host),
+                       ports=(server.port, server.http_port), url_port=server.http_port,
+                       serves=server.serves, serves_role=serves_role, cwd=cdir,
+                       log_path=cdir / "logs" / f"{server.name}.log", env=SERVER_ENV)
 
 
 def plan_servers(configs: Mapping[str, object], options: LMCacheOptions,
@@ -94,38 +93,24 @@ def plan_servers(configs: Mapping[str, object], options: LMCacheOptions,
     return servers
 
 
-def start_server(server: LMCacheServer, python: Path, cdir: Path) -> dict[str, Any]:
-    """Start `server` with `python` (the lmcache extra's) in its own session, logging to
-    `cdir/logs/<name>.log`; returns at once with its record (for cluster.json's `lmcache`).
+def start_server(server: LMCacheServer, service: ServiceSpec, runtime: Runtime) -> dict[str, Any]:
+    """Start `server` as `runtime`'s service `service`; returns at once with its record (for
+    cluster.json's `lmcache`: the plan, the runtime's name and its instance record).
 
-    Raises RuntimeFailure when it cannot be spawned.
+    Raises BadInput (its extra missing here or in the image), RuntimeFailure (it cannot start).
     """
-    argv = [str(python), "-m", SERVER_MODULE, *server_args(server)]
-    log_path = cdir / "logs" / f"{server.name}.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **SERVER_ENV}
-    env.pop("PYTHONPATH", None)  # the extra's venv sees its own packages and the rig's: nothing else
-    with open(log_path, "ab") as log:
-        log.write(f"kvctl: starting LMCache server {server.name} for {', '.join(server.serves)}\n".encode())
-        log.flush()
-        try:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    cwd=cdir, start_new_session=True, env=env)
-        except OSError as e:
-            raise RuntimeFailure(f"could not start the LMCache server {server.name}: {e}", where=str(python),
-                                 fix="install LMCache beside the V1 rig (its lmcache extra)") from e
+    inst = runtime.start_service(service)
     return {"name": server.name, "serves": list(server.serves), "sharing": server.options.sharing,
-            "url": server.url, "port": server.port, "http_port": server.http_port,
-            "metrics": server.url + METRICS_PATH, "options": server.options.to_json(),
-            "pid": proc.pid, "start_ticks": process_start_ticks(proc.pid), "command": argv,
-            "log_path": str(log_path), "started": time.time()}
+            "url": inst.url, "port": server.port, "http_port": server.http_port,
+            "metrics": inst.url + METRICS_PATH, "options": server.options.to_json(),
+            "runtime": runtime.name, **inst.record(), "log_path": str(inst.log_path), "started": time.time()}
 
 
 def server_instance(record: Mapping[str, Any]) -> Instance:
-    """An LMCache server of a cluster as an Instance (status, logs, stop), from its record."""
-    # A process of this host whatever runs the servers: the local runtime's kind, as the router.
-    return LocalRuntime().attach(record["name"], "lmcache", record["url"], Path(record["log_path"]),
-                                 {k: record[k] for k in ("pid", "start_ticks", "command")})
+    """An LMCache server of a cluster as an Instance (status, logs, stop, kill), from its record,
+    through the runtime that started it (local for records without one)."""
+    return get_runtime(record.get("runtime", "local")).attach(
+        record["name"], "lmcache", record["url"], Path(record["log_path"]), record)
 
 
 def answers_healthcheck(client: httpx.Client, url: str, timeout_s: float = 2.0) -> bool:

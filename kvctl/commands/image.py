@@ -23,13 +23,14 @@ def register(app: typer.Typer) -> None:
 @image_app.command("build")
 def build(
     kind: str = typer.Argument(
-        ..., help="cpu (the vLLM 0.9.2 CPU rig + this kvctl) or gpu (official vLLM image "
-                  "+ LMCache + this kvctl)."),
+        ..., help="cpu (the engine's CPU rig + its extras + this kvctl) or gpu (official vLLM "
+                  "image + LMCache + this kvctl)."),
     engine: str = typer.Option(
         "v0", "--engine",
-        help=f"vLLM engine of the image: v0 (default; gpu FROM {images.DEFAULT_GPU_BASES['v0']}, tagged "
-             f"{images.gpu_repo('v0')}) or v1 (gpu only: FROM {images.DEFAULT_GPU_BASES['v1']}, the V1 "
-             f"rig's vLLM, tagged {images.gpu_repo('v1')})."),
+        help=f"vLLM engine of the image: v0 (default; cpu: vLLM 0.9.2, tagged {images.cpu_repos('v0')[1]}; "
+             f"gpu FROM {images.DEFAULT_GPU_BASES['v0']}, tagged {images.gpu_repo('v0')}) or v1 (cpu: vLLM "
+             f"0.32 with the NIXL and LMCache extras, tagged {images.cpu_repos('v1')[1]}; gpu FROM "
+             f"{images.DEFAULT_GPU_BASES['v1']}, tagged {images.gpu_repo('v1')})."),
     base_image: str | None = typer.Option(
         None, "--base-image", help="gpu only: the image to build FROM (default: the engine's official "
                                    "vLLM image, see --engine)."),
@@ -38,8 +39,9 @@ def build(
 ) -> None:
     """Build the cpu or gpu image for this kvctl; prints its tag (use it with --image).
 
-    cpu: a rig layer (vLLM, keyed by the rig's pins: minutes, once) and a thin layer with this
-    kvctl's connectors (seconds). Needs the docker extra: pip install 'kvctl\\[docker]'."""
+    cpu: a rig layer (vLLM, keyed by the rig's pins: minutes, once), for v1 a layer with its
+    extras (NIXL, LMCache; keyed by their pins), and a thin layer with this kvctl's connectors
+    (seconds). Needs the docker extra: pip install 'kvctl\\[docker]'."""
     out = Output(json_mode=json_)
     result = images.build_image(kind, base_image=base_image, progress=BuildReporter(out, verbose), engine=engine)
     render_image(out, result)

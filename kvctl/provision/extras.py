@@ -335,3 +335,16 @@ def server_sites(kv_transfer_config: object, engine: str, home: Path | None = No
                            fix=f"run `{venv.install_command()}` (once; it keeps the steps done)")
         sites.append(venv.site())
     return sites
+
+
+def extra_python(name: str, needed_by: str) -> Path:
+    """The interpreter of the installed extra `name` (its venv, layered on its engine's rig).
+
+    Raises BadInput naming what needs it (`needed_by`) and the command that installs it.
+    """
+    extra = get_extra(name)
+    venv = ExtraVenv(extra, rig.default_spec(extra.engine))
+    if venv.unfinished():
+        raise BadInput(f"{needed_by} needs the extra {extra.name!r} ({extra.summary}), which is not installed",
+                       where=str(venv.dir), fix=f"run `{venv.install_command()}` (once; it keeps the steps done)")
+    return venv.python

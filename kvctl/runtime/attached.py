@@ -18,7 +18,7 @@ import httpx
 
 from kvctl.errors import BadInput
 from kvctl.net import answers_health
-from kvctl.runtime.base import InstanceSpec, InstanceStatus, LaunchPlan, StopResult, instance_logs
+from kvctl.runtime.base import InstanceSpec, InstanceStatus, LaunchPlan, ServiceSpec, StopResult, instance_logs
 
 NAME = "attached"  # cluster.json's `runtime` of a cluster kvctl did not start
 
@@ -80,6 +80,12 @@ class AttachedRuntime:
         raise self._refuse()
 
     def start(self, spec: InstanceSpec) -> AttachedInstance:
+        raise self._refuse()
+
+    def start_service(self, spec: ServiceSpec) -> AttachedInstance:
+        raise self._refuse()
+
+    def service_host(self, service: ServiceSpec, client: InstanceSpec) -> str:
         raise self._refuse()
 
     def attach(self, name: str, role: str, url: str, log_path: Path,

@@ -85,6 +85,27 @@ class InstanceSpec:
         return self.name or self.role
 
 
+@dataclass(frozen=True)
+class ServiceSpec:
+    """A helper server a launch runs beside its vLLM servers (an LMCache server): `python -m
+    module ARGS` from the environment of the extra `extra` (kvctl.provision.extras), which the
+    instances named in `serves` reach at its `ports`. Paths are host paths."""
+
+    cluster: str
+    name: str  # its name in the cluster, e.g. lmcache-prefill
+    role: str  # what it is: "lmcache"
+    extra: str  # the extra whose packages run it
+    module: str
+    arguments: Callable[[str], list[str]]  # the module's arguments, given the address it binds
+    ports: tuple[int, ...]  # every port it listens on (the same inside a container and out)
+    url_port: int  # the port of its HTTP endpoint (health, metrics): its Instance's url
+    serves: tuple[str, ...]  # instance names that talk to it
+    serves_role: str  # their role ("prefill", "decode"): a docker runtime runs it on that role's engine
+    cwd: Path
+    log_path: Path
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
 def vllm_server_args(spec: InstanceSpec, *, model: str, host: str) -> list[str]:
     """The api_server arguments (after `python -m <module>`) for `spec`, per its engine.
 
@@ -235,6 +256,16 @@ class Runtime(Protocol):
         Raises BadInput for a spec this runtime cannot run, RuntimeFailure when
         starting fails.
         """
+
+    def start_service(self, spec: ServiceSpec) -> Instance:
+        """Start the helper server `spec` (before the instances it serves); returns at once.
+
+        Raises BadInput when this runtime cannot run it here (its extra missing),
+        RuntimeFailure when starting fails.
+        """
+
+    def service_host(self, service: ServiceSpec, client: InstanceSpec) -> str:
+        """The address instance `client` reaches `service` at (what goes in its config)."""
 
     def attach(self, name: str, role: str, url: str, log_path: Path, record: Mapping[str, Any]) -> Instance:
         """The Instance for a cluster.json record written by `Instance.record()`."""

@@ -35,6 +35,16 @@ starts. On a remote engine the model and store must exist at the same paths
 (NFS for a store shared by two hosts), and ports must be published on a
 non-loopback address (`bind`).
 
+Services (an LMCache server beside the instances whose LMCacheMPConnector talks to
+it, base.ServiceSpec) run as containers too, from the image of the role they serve
+(the CPU V1 image holds the extras: `kvctl.sites` label), on a bridge network of
+the cluster (`cluster_network`, made by the first service, removed with the
+cluster's leftovers): bridged instances join it and reach a service by its
+container name; its ports are also published on `bind`, where kvctl checks its
+health and host-network (NIXL) instances reach it. Each role's image must run
+the instance's engine (label `kvctl.engine`, v0 when absent) and hold the extras
+its connectors need (`check_instance`).
+
 The router in front of a docker cluster is not a container: it runs as a local
 process (kvctl.cluster.router_process) talking to the ports the containers
 publish, exactly as for local servers. That needs no docker network, works
@@ -58,16 +68,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
-from connectors.config.topology import LMCACHE_MP_CONNECTOR, fs_storage_paths, handshake_connector, named_connectors
+from connectors.config.topology import fs_storage_paths, handshake_connector
 from kvctl.errors import BadInput, RuntimeFailure
 from kvctl.paths import kvctl_home
 from kvctl.provision import images
+from kvctl.provision.extras import needed_extras
 from kvctl.runtime.base import (
     ENTRYPOINT_MODULE,
     ROLES,
     InstanceSpec,
     InstanceStatus,
     LaunchPlan,
+    ServiceSpec,
     StopResult,
     instance_logs,
     vllm_server_args,
@@ -95,6 +107,45 @@ def container_name(cluster: str, instance: str, cluster_dir: Path) -> str:
     """Unique per cluster dir and instance: two KVCTL_HOMEs may both have a cluster `default`."""
     digest = hashlib.sha256(str(cluster_dir).encode()).hexdigest()[:8]
     return f"kvctl-{cluster}-{instance}-{digest}"
+
+
+def service_container_name(spec: ServiceSpec) -> str:
+    return container_name(spec.cluster, spec.name, spec.cwd)
+
+
+def cluster_network(cluster: str, cluster_dir: Path) -> str:
+    """The docker network of a cluster's services and the instances that reach them."""
+    return container_name(cluster, "net", cluster_dir)
+
+
+def _host_network(spec: InstanceSpec) -> bool:
+    """NIXL: D pulls from P's side channel and UCX endpoints, which are not one published port:
+    NIXL instances share the host's network (their ports are the host's, as local servers')."""
+    return handshake_connector(spec.kv_transfer_config) is not None
+
+
+def _find_network(client: Any, name: str) -> Any | None:
+    found = [n for n in client.networks.list(names=[name]) if n.name == name]
+    return found[0] if found else None
+
+
+def _ensure_network(client: Any, name: str, labels: Mapping[str, str]) -> str:
+    """The bridge network `name` on this engine (made, with `labels`, when missing)."""
+    if _find_network(client, name) is None:
+        client.networks.create(name, driver="bridge", labels=dict(labels))
+    return name
+
+
+def _remove_networks(client: Any, labels: Mapping[str, str]) -> None:
+    import docker.errors
+
+    for net in client.networks.list(filters={"label": [f"{k}={v}" for k, v in labels.items()]}):
+        try:
+            net.remove()
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as e:  # still in use: a container the caller keeps
+            log.warning("kept network %s: %s", net.name, daemon_error(e))
 
 
 def _url_host(engine: str, bind: str) -> str:
@@ -319,7 +370,7 @@ class DockerRuntime:
             return self.options.image
         engine = self.engines.get(role, "v0")
         try:
-            return images.default_image("gpu" if self.options.gpus or engine != "v0" else "cpu", engine)
+            return images.default_image("gpu" if self.options.gpus else "cpu", engine)
         except BadInput as e:
             raise BadInput(f"no default image: {e.what}", field="image",
                            fix="name the image (a tag `kvctl image build` printed)") from None
@@ -359,15 +410,25 @@ class DockerRuntime:
             self._image(role)
 
     def check_instance(self, spec: InstanceSpec) -> None:
-        """Raises BadInput (before anything starts) for a config naming LMCacheMPConnector: kvctl
-        runs LMCache servers as local processes beside local instances; a container would have
-        to reach one on the host's loopback (or run it as a sidecar container), which this
-        runtime does not do yet."""
-        if named_connectors(spec.kv_transfer_config, LMCACHE_MP_CONNECTOR):
-            raise BadInput(f"the {spec.instance} config names LMCacheMPConnector, whose LMCache server kvctl "
-                           "runs only beside local (CPU) instances", field=f"{spec.role}_config",
-                           fix="run it on the local runtime, or render it for Kubernetes (`kvctl render k8s`: "
-                               "the server is a sidecar of the instance's pod)")
+        """Raises BadInput (before anything starts) when the role's image is one of kvctl's and runs
+        another vLLM engine than `spec`'s (label `kvctl.engine`; the V0 CPU image has none), or
+        lacks an extra its connectors need (label `kvctl.extras` of the CPU images; a GPU image
+        keeps the official image's packages plus LMCache, and any other image is taken as it is)."""
+        ref, labels = self._image(spec.role)
+        engine = labels.get("kvctl.engine") or ("v0" if labels.get("kvctl.device") == "cpu" else None)
+        if engine is not None and engine != spec.engine:
+            raise BadInput(f"image {ref} runs vLLM engine {engine}, the {spec.instance} server engine "
+                           f"{spec.engine}", field="image",
+                           fix=f"leave the image out (kvctl picks the engine's own), or build it with "
+                               f"`kvctl image build cpu` for engine {spec.engine}")
+        if labels.get("kvctl.device") != "cpu":
+            return
+        has = set(labels.get("kvctl.extras", "").split())
+        for extra in needed_extras(spec.kv_transfer_config):
+            if extra.name not in has:
+                raise BadInput(f"the {spec.instance} config needs the extra {extra.name!r} ({extra.summary}), "
+                               f"which image {ref} does not hold", field="image",
+                               fix=f"use the engine's cpu image (`kvctl image build cpu` for engine {extra.engine})")
 
     def command(self, spec: InstanceSpec,
                 image_labels: Mapping[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
@@ -381,7 +442,12 @@ class DockerRuntime:
         python = labels.get("kvctl.python", "python3")
         argv = [python, "-m", ENTRYPOINT_MODULE,
                 *vllm_server_args(spec, model=str(spec.model), host="0.0.0.0")]
-        return argv, vllm_server_env(spec)
+        env = vllm_server_env(spec)
+        sites = [f"{labels['kvctl.sites']}/{e.name}" for e in needed_extras(spec.kv_transfer_config)
+                 if "kvctl.sites" in labels]
+        if sites:  # after the overlay, as the local runtime orders them
+            env["PYTHONPATH"] = ":".join([images.IMAGE_OVERLAY, *sites])
+        return argv, env
 
     def _mounts(self, spec: InstanceSpec) -> list[Any]:
         """The model (read-only), the cluster's store and every fs_storage_path the role's
@@ -400,24 +466,24 @@ class DockerRuntime:
         return mounts
 
     def container_config(self, spec: InstanceSpec, ref: str,
-                         image_labels: Mapping[str, str]) -> dict[str, Any]:
+                         image_labels: Mapping[str, str], network: str | None = None) -> dict[str, Any]:
         """The docker SDK's `containers.create` arguments for instance `spec` on image `ref`
         (whose labels are `image_labels`): name, labels, command, environment, mounts,
-        published port and device requests. Touches no engine (it creates the store dirs)."""
+        published port, the cluster's `network` (when its services run) and device requests.
+        Touches no engine (it creates the store dirs)."""
         from docker.types import DeviceRequest
 
         argv, env = self.command(spec, image_labels)
         gpus = self.gpus(spec, image_labels)
-        # NIXL: D pulls from P's side channel and UCX endpoints, which are not one published port:
-        # NIXL instances share the host's network (their ports are the host's, as local servers').
-        network = ({"network_mode": "host"} if handshake_connector(spec.kv_transfer_config) is not None
-                   else {"ports": {f"{spec.port}/tcp": (self.options.bind, spec.port)}})
+        networking = ({"network_mode": "host"} if _host_network(spec)
+                      else {"ports": {f"{spec.port}/tcp": (self.options.bind, spec.port)},
+                            **({"network": network} if network else {})})
         return {"image": ref, "command": argv, "entrypoint": [],
                 "name": container_name(spec.cluster, spec.instance, spec.cwd),
                 "labels": {LABEL_CLUSTER: spec.cluster, LABEL_ROLE: spec.role,
                            LABEL_INSTANCE: spec.instance, LABEL_HOME: str(kvctl_home().absolute())},
                 "environment": env, "mounts": self._mounts(spec), "working_dir": str(spec.cwd),
-                **network, "ipc_mode": "host", "init": True, "detach": True,
+                **networking, "ipc_mode": "host", "init": True, "detach": True,
                 "device_requests": ([DeviceRequest(device_ids=gpus, capabilities=[["gpu"]])]
                                     if gpus else None)}
 
@@ -429,42 +495,89 @@ class DockerRuntime:
         without the NVIDIA toolkit, a port in use), with the engine's error and
         the container's log tail. A container it made is removed on any failure.
         """
+        client = self.client(spec.role)
+        ref, image_labels = self._image(spec.role)
+        net = cluster_network(spec.cluster, spec.cwd)
+        config = self.container_config(spec, ref, image_labels,
+                                       network=net if _find_network(client, net) is not None else None)
+        gpus = self.gpus(spec, image_labels)
+        return self._run(spec.role, config, spec.instance, spec.role, spec.log_path, spec.port,
+                         f"{spec.instance} container", gpus)
+
+    def _run(self, engine_role: str, config: dict[str, Any], name: str, role: str, log_path: Path,
+             url_port: int, what: str, gpus: list[str] | None = None) -> DockerInstance:
+        """Create and start the container `config` on `engine_role`'s engine with its log follower."""
         import docker.errors
 
-        client = self.client(spec.role)
-        engine = self.options.host(spec.role)
-        ref, image_labels = self._image(spec.role)
-        config = self.container_config(spec, ref, image_labels)
-        name, argv, labels = config["name"], config["command"], config["labels"]
-        gpus = self.gpus(spec, image_labels)
-        _remove_stopped_namesake(client, name)
-        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(spec.log_path, "wb") as f:  # one header line, as the local runtime writes
-            f.write(f"kvctl: starting {spec.instance} container {name} ({ref} on {engine}"
+        client = self.client(engine_role)
+        engine = self.options.host(engine_role)
+        ref, cname, argv, labels = config["image"], config["name"], config["command"], config["labels"]
+        _remove_stopped_namesake(client, cname)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "wb") as f:  # one header line, as the local runtime writes
+            f.write(f"kvctl: starting {what} {cname} ({ref} on {engine}"
                     f"{', GPUs ' + ','.join(gpus) if gpus else ''}): {shlex.join(argv)}\n".encode())
         container = None
         try:
             container = client.containers.create(**config)
             container.start()
-            follower = spawn_follower(engine, container.id, spec.log_path)
+            follower = spawn_follower(engine, container.id, log_path)
         except docker.errors.APIError as e:
             error = daemon_error(e)
             tail = _container_tail(container)
             _discard(container)
             raise RuntimeFailure(
-                f"the {spec.instance} container did not start: {error}",
-                where=f"engine {engine}, image {ref}, container {name}", fix=_start_fix(error),
+                f"the {what} did not start: {error}",
+                where=f"engine {engine}, image {ref}, container {cname}", fix=_start_fix(error),
                 details=(f"engine error: {error}"
                          + (f"\nlast {len(tail)} lines of the container's output:\n" + "\n".join(tail)
                             if tail else ""))) from None
         except BaseException:
             _discard(container)  # Ctrl-C between create and start must not leave it behind
             raise
-        url = f"http://{_url_host(engine, self.options.bind)}:{spec.port}"
-        log.debug("started %s container %s on %s: %s", spec.instance, name, engine, shlex.join(argv))
-        return DockerInstance(spec.instance, spec.role, url, spec.log_path, engine, container.id, name, ref,
+        url = f"http://{_url_host(engine, self.options.bind)}:{url_port}"
+        log.debug("started %s %s on %s: %s", what, cname, engine, shlex.join(argv))
+        return DockerInstance(name, role, url, log_path, engine, container.id, cname, ref,
                               follower.pid, process_start_ticks(follower.pid), argv, labels,
                               follower, gpus)
+
+    def start_service(self, spec: ServiceSpec) -> DockerInstance:
+        """Run `spec` as its own container on the engine of the role it serves, from that role's
+        image (its extra's site-packages on PYTHONPATH), bound to 0.0.0.0 inside, on the cluster's
+        network (made here when missing): bridged instances reach it by its container name, and
+        its ports are published on `bind` for kvctl and for host-network (NIXL) instances.
+
+        Raises BadInput (the image lacks the extra), RuntimeFailure (as `start`).
+        """
+        ref, labels = self._image(spec.serves_role)
+        if spec.extra not in labels.get("kvctl.extras", "").split() or "kvctl.sites" not in labels:
+            raise BadInput(f"the {spec.role} server {spec.name} runs from the extra {spec.extra!r}, which image "
+                           f"{ref} does not hold", field="image",
+                           fix="use the engine's cpu image (`kvctl image build cpu` for engine v1)")
+        net = _ensure_network(self.client(spec.serves_role), cluster_network(spec.cluster, spec.cwd),
+                              {LABEL_CLUSTER: spec.cluster, LABEL_HOME: str(kvctl_home().absolute())})
+        cname = service_container_name(spec)
+        config = {"image": ref, "entrypoint": [], "name": cname, "hostname": cname,
+                  "command": [labels.get("kvctl.python", "python3"), "-m", spec.module, *spec.arguments("0.0.0.0")],
+                  "labels": {LABEL_CLUSTER: spec.cluster, LABEL_ROLE: spec.role, LABEL_INSTANCE: spec.name,
+                             LABEL_HOME: str(kvctl_home().absolute())},
+                  "environment": {**spec.env, "PYTHONPATH": f"{labels['kvctl.sites']}/{spec.extra}"},
+                  "network": net, "ports": {f"{p}/tcp": (self.options.bind, p) for p in spec.ports},
+                  "init": True, "detach": True}
+        return self._run(spec.serves_role, config, spec.name, spec.role, spec.log_path, spec.url_port,
+                         f"{spec.role} server {spec.name} for {', '.join(spec.serves)}:")
+
+    def service_host(self, service: ServiceSpec, client: InstanceSpec) -> str:
+        """Its container name on the cluster's network, or (for a host-network instance) the
+        address its ports are published on. Raises BadInput when `client` runs on another engine."""
+        if self.options.host(client.role) != self.options.host(service.serves_role):
+            raise BadInput(f"{client.instance} runs on engine {self.options.host(client.role)} and its "
+                           f"{service.role} server {service.name} on {self.options.host(service.serves_role)}",
+                           field="lmcache_sharing", fix="run the instances that share one server on one engine, "
+                                                         "or give each its own (sharing per-instance)")
+        if _host_network(client):
+            return "127.0.0.1" if self.options.bind in ("0.0.0.0", "::") else self.options.bind
+        return service_container_name(service)
 
     def attach(self, name: str, role: str, url: str, log_path: Path,
                record: Mapping[str, Any]) -> DockerInstance:
@@ -497,6 +610,7 @@ class DockerRuntime:
                 log.warning("cannot look for leftover containers on %s: %s", url, e.what)
                 continue
             removed += _remove_labelled(client, labels)
+            _remove_networks(client, labels)  # the services' network: made by the launch, never recorded
         return removed
 
 

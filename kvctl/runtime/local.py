@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.provision.extras import server_sites
+from kvctl.provision.extras import extra_python, server_sites
 from kvctl.provision.overlay import Overlay, ensure_overlay, pythonpath
 from kvctl.provision.rig import default_spec, rig_python
 from kvctl.runtime.base import (
@@ -46,6 +46,7 @@ from kvctl.runtime.base import (
     InstanceSpec,
     InstanceStatus,
     LaunchPlan,
+    ServiceSpec,
     StopResult,
     instance_logs,
     vllm_server_args,
@@ -54,6 +55,7 @@ from kvctl.runtime.base import (
 from kvctl.runtime.processes import group_members, is_alive, process_start_ticks, server_groups_in
 
 log = logging.getLogger(__name__)
+LOOPBACK = "127.0.0.1"  # what helper servers bind and clients reach them at
 
 KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
 POLL_S = 0.1
@@ -252,6 +254,33 @@ class LocalRuntime:
         log.debug("started %s server pid %d: %s", spec.instance, popen.pid, shlex.join(argv))
         return LocalInstance(spec.instance, spec.role, f"http://{url_host}:{spec.port}", spec.log_path, popen.pid,
                              process_start_ticks(popen.pid), argv, popen, str(self.overlay.path))
+
+    def start_service(self, spec: ServiceSpec) -> LocalInstance:
+        """Start `spec` with its extra's interpreter, bound to loopback, in its own session.
+
+        Raises BadInput when the extra is not installed, RuntimeFailure when it cannot be spawned.
+        """
+        python = extra_python(spec.extra, f"the {spec.role} server {spec.name}")
+        argv = [str(python), "-m", spec.module, *spec.arguments(LOOPBACK)]
+        env = {k: v for k, v in os.environ.items() if k not in (API_KEY_ENV, *STORE_KEY_ENVS)}
+        env.pop("PYTHONPATH", None)  # the extra's venv sees its own packages and the rig's: nothing else
+        env.update(spec.env)
+        spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(spec.log_path, "ab") as logf:
+            logf.write(f"kvctl: starting {spec.role} server {spec.name} for {', '.join(spec.serves)}: "
+                       f"{shlex.join(argv)}\n".encode())
+            logf.flush()
+            try:
+                popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                                         cwd=spec.cwd, env=env, start_new_session=True, close_fds=True)
+            except OSError as e:
+                raise RuntimeFailure(f"could not start the {spec.role} server {spec.name}: {e}",
+                                     where=str(python), fix=f"reinstall the extra {spec.extra!r}") from e
+        return LocalInstance(spec.name, spec.role, f"http://{LOOPBACK}:{spec.url_port}", spec.log_path, popen.pid,
+                             process_start_ticks(popen.pid), argv, popen)
+
+    def service_host(self, service: ServiceSpec, client: InstanceSpec) -> str:
+        return LOOPBACK  # every process of this runtime shares the host's loopback
 
     def attach(self, name: str, role: str, url: str, log_path: Path,
                record: Mapping[str, Any]) -> LocalInstance:

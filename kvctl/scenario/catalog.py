@@ -82,15 +82,15 @@ class Host:
 
     def default_image(self, gpus: bool, engine: str) -> str:
         """The image the docker runtime runs for vLLM `engine` when a scenario names none
-        (the runtime's rule: V1 runs only in the gpu image)."""
-        from kvctl.provision.images import default_image
+        (the runtime's rule: the gpu image with GPUs, else the engine's cpu image)."""
+        from kvctl.provision.images import cpu_repos, default_image
 
-        if gpus or engine != "v0":
+        if gpus:
             return default_image("gpu", engine)
         try:
             return default_image("cpu", engine)
         except BadInput:  # the CPU tag hashes this host's Debian base; elsewhere it has none
-            return "kvctl-cpu:latest"
+            return f"{cpu_repos(engine)[1]}:latest"
 
     def extra_missing(self, extra: Extra) -> str | None:
         """None when `extra` is installed beside its engine's rig, else why not (with the command)."""
