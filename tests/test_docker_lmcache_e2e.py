@@ -24,7 +24,8 @@ import pytest
 from conftest import Kvctl
 from docker_helpers import cpu_image
 from test_docker_runtime import _assert_nothing_left
-from test_lmcache_e2e import CHECKS5, D_CONFIG, P_CONFIG, P_D_CHECKS, _checks, _kvctl, _prompts
+from test_lmcache_e2e import (CHECKS5, D_CONFIG, P_CONFIG, _checks, _kvctl, _prompts, _verify,
+                              assert_only_the_offload_child_failed)
 from test_v1_cluster import LAUNCH_TIMEOUT_S, VERIFY_TIMEOUT_S, module_slot
 
 from kvctl.cluster.lmcache import MQ_TIMEOUT_S
@@ -102,23 +103,10 @@ def test_the_server_is_a_container_on_the_clusters_network(docker_cluster, main_
 
 def test_server_container_killed_p_recomputes_and_verify_names_the_offload_child(docker_cluster, main_engine):
     run, state = docker_cluster
-    rc, doc = _verify(run, _prompts("warm", 1))
+    rc, doc = _verify(run, _prompts("warm", 1), "dlmc")
     assert rc == 0, doc  # the server stores while it runs
     main_engine.containers.get(state["lmcache"]["lmcache-prefill"]["container_id"]).kill()
-    rc, doc = _verify(run, _prompts("killed", 2))
-    assert rc == 1 and doc["passed"] is False
-    for req in doc["requests"]:
-        checks = _checks(req)
-        assert all(checks[n]["passed"] for n in P_D_CHECKS), req  # P served (recomputed); D right
-        offload = checks["offload_logged"]
-        assert not offload["passed"] and offload["evidence"].startswith(
-            "P's offload child LMCacheMPConnector (child 1) (LMCache server lmcache-prefill) failed: its server"), offload
+    assert_only_the_offload_child_failed(*_verify(run, _prompts("killed", 2), "dlmc"))
     status = json.loads(run("status", "--name", "dlmc", "--json").stdout)
     assert status["lmcache"]["lmcache-prefill"]["running"] is False
     assert all(i["healthy"] for i in status["instances"].values())
-
-
-def _verify(run: Kvctl, prompts: list[str]) -> tuple[int, dict]:
-    args = [a for p in prompts for a in ("--prompt", p)]
-    res = run("verify", "--name", "dlmc", "--json", *args, timeout=VERIFY_TIMEOUT_S)
-    return res.rc, json.loads(res.stdout)

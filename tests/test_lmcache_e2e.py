@@ -161,10 +161,23 @@ def _prompts(tag: str, n: int) -> list[str]:
     return [f"{tag} {i}: " + " ".join(f"{tag}{i} word{j}" for j in range(200)) for i in range(n)]
 
 
-def _verify(run: Kvctl, prompts: list[str]) -> tuple[int, dict]:
+def _verify(run: Kvctl, prompts: list[str], name: str = "lmc") -> tuple[int, dict]:
     args = [a for p in prompts for a in ("--prompt", p)]
-    res = run("verify", "--name", "lmc", "--json", *args, timeout=VERIFY_TIMEOUT_S)
+    res = run("verify", "--name", name, "--json", *args, timeout=VERIFY_TIMEOUT_S)
     return res.rc, json.loads(res.stdout)
+
+
+def assert_only_the_offload_child_failed(rc: int, doc: dict) -> None:
+    """P served every request (recomputed) and D's answers are right; only `offload_logged`
+    failed, naming P's LMCache child and its dead server."""
+    assert rc == 1 and doc["passed"] is False
+    for req in doc["requests"]:
+        checks = _checks(req)
+        assert all(checks[n]["passed"] for n in P_D_CHECKS), req
+        offload = checks["offload_logged"]
+        assert not offload["passed"] and offload.get("observable", True)
+        assert offload["evidence"].startswith("P's offload child LMCacheMPConnector (child 1) (LMCache server "
+                                              "lmcache-prefill) failed: its server"), offload
 
 
 def test_l1_full_evicts_then_answers_right(fault_cluster):
@@ -182,15 +195,7 @@ def test_l1_full_evicts_then_answers_right(fault_cluster):
 def test_server_killed_mid_run_p_recomputes_and_verify_names_the_offload_child(fault_cluster):
     run, state = fault_cluster
     os.killpg(state["lmcache"]["lmcache-prefill"]["pid"], signal.SIGKILL)
-    rc, doc = _verify(run, _prompts("killed", 2))
-    assert rc == 1 and doc["passed"] is False
-    for req in doc["requests"]:
-        checks = _checks(req)
-        assert all(checks[n]["passed"] for n in P_D_CHECKS), req  # P served (recomputed); D right
-        offload = checks["offload_logged"]
-        assert not offload["passed"] and offload.get("observable", True)
-        assert offload["evidence"].startswith("P's offload child LMCacheMPConnector (child 1) (LMCache server "
-                                              "lmcache-prefill) failed: its server"), offload
+    assert_only_the_offload_child_failed(*_verify(run, _prompts("killed", 2)))
     status = json.loads(run("status", "--name", "lmc", "--json").stdout)
     assert status["healthy"] is False and status["lmcache"]["lmcache-prefill"]["running"] is False
     assert all(i["healthy"] for i in status["instances"].values())  # the vLLM servers still serve
