@@ -131,6 +131,47 @@ def test_v1_nixl_multi_scenario_shows_each_child(nixl_kvctl, vllm_slot):
         assert any("KV load NONE" in line for line in kids["offload"]["lines"]), kids["offload"]
 
 
+# Before the module's last tests: their fixture holds the vLLM slot (a flock) until the module ends,
+# so a test taking the slot after them would wait on its own process's lock for ever.
+def test_v1_seed_replica_nixl_each_child_and_a_second_round_served_by_lmcache(nixl_kvctl, vllm_slot):
+    _require_lmcache(Path(nixl_kvctl.env[V1_PYTHON_ENV]))
+    report = _run_scenario(nixl_kvctl, "v1-seed-replica-nixl", frozenset(), "--keep")
+    assert [p["name"] for p in report["phases"]] == ["launch", "verify", "second_round", "inspect", "down"]
+    rnd = report["second_round"]
+    for req in report["verify"]["requests"]:
+        # the NIXL checks on vLLM's own lines (P's Finished sending, D computing none of the prompt)
+        assert all(c["passed"] and c.get("observable", True) for c in req["checks"]), req["checks"]
+        assert {c["name"] for c in req["checks"]} == {*CHECKS, OFFLOAD_CHECK}
+        sent = _check(req, "kv_send_logged")["evidence"]
+        assert "Finished sending KV transfer for request" in sent and req["request_id"] in sent
+        assert "computed=0 of prompt_tokens=" in _check(req, "decode_skipped_forward")["evidence"]
+        offload = _check(req, OFFLOAD_CHECK)["evidence"]
+        assert "LMCacheMPConnector (child 1)" in offload and "lmcache-prefill" in offload, offload
+        kids = req["children"]  # each child's own part: NIXL sent it, LMCache stored it, D pulled it
+        transfer, stored, load = kids["transfer"], kids["offload"], kids["load"]
+        assert transfer["connector"] == "NixlConnector" and transfer["child"] == 0 and transfer["instance"] == "prefill"
+        assert "Finished sending KV transfer" in transfer["lines"][0] and transfer["tokens"] == load["tokens"]
+        assert stored["connector"] == "LMCacheMPConnector" and stored["child"] == 1, stored
+        assert load["connector"] == "NixlConnector" and load["child"] is None and load["instance"] == "decode"
+        assert "Finished recving KV transfer" in load["lines"][0], load
+        assert load["tokens"] + (load["prefix_cached"] or 0) == req["prompt_tokens"], (req["prompt_tokens"], load)
+        if req["prompt_tokens"] >= 256:  # whole 256-token chunks: the LMCache server's own line
+            assert "Stored " in offload and stored["stored"] >= req["prompt_tokens"] // 256 * 256, stored
+    # round 2, after P's restart: its prefix cache is gone, its LMCache server is not
+    assert rnd["restarted"] == ["prefill"] and rnd["passed"] and rnd["outputs_unchanged"], rnd
+    lm = rnd["lmcache"]
+    assert lm["retrieved_rose"] and lm["retrieved_tokens"]["after"] > lm["retrieved_tokens"]["before"], lm
+    second = rnd["verify"]["requests"]
+    assert all(r["passed"] for r in second), [r["checks"] for r in second if not r["passed"]]
+    assert all(r["children"]["transfer"]["connector"] == "NixlConnector" for r in second)  # D still pulls from P
+    served = [r for r in second if r["children"]["offload"]["retrieved"]]
+    assert served and all("Retrieved " in _check(r, OFFLOAD_CHECK)["evidence"] for r in served), second
+    print("v1-seed-replica-nixl:", json.dumps({
+        "wall_s": report["wall_s"], "restart_s": rnd["restart_s"], "lmcache": lm,
+        "retrieved_per_prompt": [(r["prompt_tokens"], r["children"]["offload"]["retrieved"]) for r in second],
+        "ttft": rnd["ttft"]}))
+
+
 @pytest.fixture(scope="module")
 def fs_and_nixl(tmp_path_factory, shared_dir: Path) -> Iterator[Kvctl]:
     """An FS 1P1D and a NIXL 1P1D cluster on V1 (the tiny model) for the module's last tests,
@@ -215,42 +256,3 @@ def test_an_attached_nixl_cluster_without_logs_is_judged_from_metrics_deltas(fs_
         assert sent["passed"] and "NIXL read(s)" in sent["evidence"], sent
         assert _check(req, "store_entry_written").get("observable") is False  # the params are in D's log only
         assert _check(req, "output_matches_baseline")["passed"]
-
-
-def test_v1_seed_replica_nixl_each_child_and_a_second_round_served_by_lmcache(nixl_kvctl, vllm_slot):
-    _require_lmcache(Path(nixl_kvctl.env[V1_PYTHON_ENV]))
-    report = _run_scenario(nixl_kvctl, "v1-seed-replica-nixl", frozenset(), "--keep")
-    assert [p["name"] for p in report["phases"]] == ["launch", "verify", "second_round", "inspect", "down"]
-    rnd = report["second_round"]
-    for req in report["verify"]["requests"]:
-        # the NIXL checks on vLLM's own lines (P's Finished sending, D computing none of the prompt)
-        assert all(c["passed"] and c.get("observable", True) for c in req["checks"]), req["checks"]
-        assert {c["name"] for c in req["checks"]} == {*CHECKS, OFFLOAD_CHECK}
-        sent = _check(req, "kv_send_logged")["evidence"]
-        assert "Finished sending KV transfer for request" in sent and req["request_id"] in sent
-        assert "computed=0 of prompt_tokens=" in _check(req, "decode_skipped_forward")["evidence"]
-        offload = _check(req, OFFLOAD_CHECK)["evidence"]
-        assert "LMCacheMPConnector (child 1)" in offload and "lmcache-prefill" in offload, offload
-        kids = req["children"]  # each child's own part: NIXL sent it, LMCache stored it, D pulled it
-        transfer, stored, load = kids["transfer"], kids["offload"], kids["load"]
-        assert transfer["connector"] == "NixlConnector" and transfer["child"] == 0 and transfer["instance"] == "prefill"
-        assert "Finished sending KV transfer" in transfer["lines"][0] and transfer["tokens"] == load["tokens"]
-        assert stored["connector"] == "LMCacheMPConnector" and stored["child"] == 1, stored
-        assert load["connector"] == "NixlConnector" and load["child"] is None and load["instance"] == "decode"
-        assert "Finished recving KV transfer" in load["lines"][0], load
-        assert load["tokens"] + (load["prefix_cached"] or 0) == req["prompt_tokens"], (req["prompt_tokens"], load)
-        if req["prompt_tokens"] >= 256:  # whole 256-token chunks: the LMCache server's own line
-            assert "Stored " in offload and stored["stored"] >= req["prompt_tokens"] // 256 * 256, stored
-    # round 2, after P's restart: its prefix cache is gone, its LMCache server is not
-    assert rnd["restarted"] == ["prefill"] and rnd["passed"] and rnd["outputs_unchanged"], rnd
-    lm = rnd["lmcache"]
-    assert lm["retrieved_rose"] and lm["retrieved_tokens"]["after"] > lm["retrieved_tokens"]["before"], lm
-    second = rnd["verify"]["requests"]
-    assert all(r["passed"] for r in second), [r["checks"] for r in second if not r["passed"]]
-    assert all(r["children"]["transfer"]["connector"] == "NixlConnector" for r in second)  # D still pulls from P
-    served = [r for r in second if r["children"]["offload"]["retrieved"]]
-    assert served and all("Retrieved " in _check(r, OFFLOAD_CHECK)["evidence"] for r in served), second
-    print("v1-seed-replica-nixl:", json.dumps({
-        "wall_s": report["wall_s"], "restart_s": rnd["restart_s"], "lmcache": lm,
-        "retrieved_per_prompt": [(r["prompt_tokens"], r["children"]["offload"]["retrieved"]) for r in second],
-        "ttft": rnd["ttft"]}))
