@@ -161,10 +161,6 @@ class LMCacheServer:
     http_port: int  # /healthcheck and /metrics
     options: LMCacheOptions = field(default_factory=LMCacheOptions)
 
-    @property
-    def url(self) -> str:
-        return f"http://{HOST}:{self.http_port}"
-
 
 def server_name(instance: str, sharing: str) -> str:
     return "lmcache" if sharing == "shared" else f"lmcache-{instance}"

@@ -328,12 +328,7 @@ def server_sites(kv_transfer_config: object, engine: str, home: Path | None = No
             raise BadInput(f"{connector} needs the extra {extra.name!r}, which runs on engine "
                            f"{extra.engine}, not {engine}", field="engine",
                            fix=f"run this server on engine {extra.engine}")
-        venv = ExtraVenv(extra, rig.default_spec(engine), home)
-        if venv.unfinished():
-            raise BadInput(f"{connector} needs the extra {extra.name!r} ({extra.summary}), "
-                           "which is not installed", where=str(venv.dir),
-                           fix=f"run `{venv.install_command()}` (once; it keeps the steps done)")
-        sites.append(venv.site())
+        sites.append(_installed(extra, connector, home).site())
     return sites
 
 
@@ -342,9 +337,13 @@ def extra_python(name: str, needed_by: str) -> Path:
 
     Raises BadInput naming what needs it (`needed_by`) and the command that installs it.
     """
-    extra = get_extra(name)
-    venv = ExtraVenv(extra, rig.default_spec(extra.engine))
+    return _installed(get_extra(name), needed_by).python
+
+
+def _installed(extra: Extra, needed_by: str, home: Path | None = None) -> ExtraVenv:
+    """`extra`'s venv on its engine's rig; raises BadInput naming `needed_by` when it is not installed."""
+    venv = ExtraVenv(extra, rig.default_spec(extra.engine), home)
     if venv.unfinished():
         raise BadInput(f"{needed_by} needs the extra {extra.name!r} ({extra.summary}), which is not installed",
                        where=str(venv.dir), fix=f"run `{venv.install_command()}` (once; it keeps the steps done)")
-    return venv.python
+    return venv
