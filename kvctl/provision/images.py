@@ -246,11 +246,11 @@ def local_wheels(pins: tuple[str, ...]) -> list[Path]:
     return found
 
 
-def rig_spec_json(engine: str = DEFAULT_ENGINE) -> bytes:
-    """`engine`'s rig pins for the image: this host's spec, with the image's own python, and the
-    wheels of its torch pin this host has on disk (`local_wheels`) as a find-links dir."""
+def rig_spec_json(engine: str = DEFAULT_ENGINE, wheels: bool = False) -> bytes:
+    """`engine`'s rig pins for the image: this host's spec, with the image's own python, and (with
+    `wheels`: the context carries this host's wheels of its torch pin) their dir as find-links."""
     spec = dataclasses.replace(default_spec(engine), python="")
-    if local_wheels(spec.torch):
+    if wheels:
         spec = dataclasses.replace(spec, pip_args=(*spec.pip_args, "--find-links", IMAGE_WHEELS))
     return (json.dumps(dataclasses.asdict(spec), indent=2, sort_keys=True) + "\n").encode()
 
@@ -278,13 +278,13 @@ def image_extras(engine: str = DEFAULT_ENGINE) -> list[str]:
 def plan_rig(engine: str = DEFAULT_ENGINE) -> BuildPlan:
     """`engine`'s rig image: keyed by the rig's inputs, not by the recipe's code or the CA bundle."""
     base = base_tag(engine)
+    wheels = tuple((f"build/wheels/{w.name}", w) for w in local_wheels(default_spec(engine).torch))
     keyed = (("Dockerfile", _docker_file("Dockerfile.rig")),
-             ("build/rig-spec.json", rig_spec_json(engine)),
+             ("build/rig-spec.json", rig_spec_json(engine, bool(wheels))),
              ("build/rig-install.py", _docker_file("rig-install.py")))
     args = {"BASE_IMAGE": base}
     h = _tag_hash(["rig", args, _files_digest(keyed)])
     files = (*keyed, ("build/ca.crt", ca_bundle()), *recipe_files())
-    wheels = tuple((f"build/wheels/{w.name}", w) for w in local_wheels(default_spec(engine).torch))
     return BuildPlan("rig", f"{cpu_repos(engine)[0]}:{h}", base, args, files, host_files=wheels)
 
 
