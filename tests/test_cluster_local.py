@@ -15,6 +15,7 @@ import select
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from kvctl.cluster.state import ClusterState, InstanceRecord, load_cluster, save
 from kvctl.cluster.lifecycle import down, running_cluster
 from kvctl.net import free_ports
 from kvctl.runtime import get_runtime
-from kvctl.runtime.local import ipc_dir
+from kvctl.runtime.local import server_tmp_dir
 from kvctl.runtime.processes import process_start_ticks
 
 
@@ -88,13 +89,14 @@ def test_launch_status_chat_logs_down(kvctl, kvctl_home, rig_python, tiny_model,
     assert json.loads((cdir / "cluster.json").read_text()) == state
     pids = [i["pid"] for i in state["instances"].values()]
     assert "healthy" in r.stderr and "runtime: local (auto:" in r.stderr
-    # vLLM's IPC sockets go to a dir of each server's own, not loose into the temp dir
-    ipc_dirs = []
+    # each server's temp files (vLLM's IPC sockets, torch's file store) go to a dir of its own
+    tmp_dirs = []
     for inst in state["instances"].values():
         env = dict(kv.split("=", 1) for kv in Path(f"/proc/{inst['pid']}/environ").read_text().split("\0") if "=" in kv)
-        ipc_dirs.append(Path(env["VLLM_RPC_BASE_PATH"]))
-        assert ipc_dirs[-1] == ipc_dir(Path(inst["log_path"])) and ipc_dirs[-1].is_dir()
-    assert len(set(ipc_dirs)) == 2
+        tmp_dirs.append(Path(env["TMPDIR"]))
+        assert tmp_dirs[-1] == server_tmp_dir(Path(inst["log_path"])) and tmp_dirs[-1].is_dir()
+        assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir() + "/torchinductor_")
+    assert len(set(tmp_dirs)) == 2
 
     # A second launch under a running name is refused before anything starts.
     again = kvctl("launch", "1p1d", "--runtime", "local", "--name", "lc", "--model", str(tiny_model))
@@ -134,7 +136,7 @@ def test_launch_status_chat_logs_down(kvctl, kvctl_home, rig_python, tiny_model,
     assert report["found"] is True and report["removed"] == str(cdir)
     assert sorted(s["role"] for s in report["stopped"]) == ["decode", "prefill", "router"]
     assert all(s["was_running"] for s in report["stopped"])
-    assert not any(d.exists() for d in ipc_dirs)
+    assert not any(d.exists() for d in tmp_dirs)
     assert not cdir.exists()
     assert_nothing_left(kvctl_home, pids)
 

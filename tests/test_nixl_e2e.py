@@ -28,6 +28,7 @@ from test_v1_e2e import V1_PYTHON_ENV, _python_or_skip
 
 from kvctl.cluster import nixl
 from kvctl.cluster.state import load_cluster
+from kvctl.runtime.local import server_tmp_dir
 from kvctl.verify.checks import CHECKS
 from kvctl.verify.cluster_info import cluster_info
 from kvctl.verify.verifier import ClusterVerifier
@@ -94,6 +95,19 @@ def _verify(run: Kvctl, *args: str) -> dict:
                  .splitlines() if "NIXL" in line or "KV transfer" in line or "Releasing" in line][-40:]
         pytest.fail(json.dumps(doc, indent=1)[:6000] + "\n" + "\n".join(lines))
     return doc
+
+
+def test_v1_servers_keep_their_temp_files_in_a_dir_of_their_own(nixl_cluster):
+    """vLLM V1's IPC sockets (and its torch.distributed file store) go to each server's own TMPDIR,
+    which `kvctl down` removes, not loose into the system temp dir."""
+    _, state = nixl_cluster
+    for inst in state["instances"].values():
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{inst['pid']}/environ").read_text().split("\0")
+                   if "=" in kv)
+        tmp = Path(env["TMPDIR"])
+        assert tmp == server_tmp_dir(Path(inst["log_path"])), env["TMPDIR"]
+        sockets = [p for p in tmp.iterdir() if p.is_socket()]
+        assert sockets, sorted(p.name for p in tmp.iterdir())  # the API server's and engine's ZMQ sockets
 
 
 @pytest.mark.parametrize("mode", [(), ("--direct",)], ids=["endpoint", "direct"])

@@ -16,9 +16,10 @@ order, and `stop()` can signal the server and every child it forked at once
 (SIGTERM to the group, SIGKILL after a grace period). stdout and stderr go to
 the instance's log file.
 
-vLLM puts its ZMQ IPC sockets in VLLM_RPC_BASE_PATH (the system temp dir by
-default), where a stopped server's sockets stay forever. Each local server gets
-its own short dir there instead (`ipc_dir`), removed once it is stopped.
+vLLM puts its ZMQ IPC sockets and its torch.distributed file store in the
+system temp dir, where a stopped server's files stay forever. Each local
+server gets a temp dir of its own instead (`server_tmp_dir`, its TMPDIR),
+removed once it is stopped; torch's compile cache stays the shared one.
 
 A server outlives the `kvctl launch` that started it; other kvctl processes
 re-attach by pid. The record also keeps the process start time from
@@ -28,6 +29,7 @@ re-attach by pid. The record also keeps the process start time from
 from __future__ import annotations
 
 import contextlib
+import getpass
 import hashlib
 import logging
 import os
@@ -68,17 +70,30 @@ KILL_WAIT_S = 5.0  # after SIGKILL: how long to wait for the kernel to reap
 POLL_S = 0.1
 
 
-IPC_PATH_ENV = "VLLM_RPC_BASE_PATH"  # where vLLM creates its ZMQ IPC sockets
+COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def ipc_dir(log_path: Path) -> Path:
-    """The dir of the server logging to `log_path` for its IPC sockets (IPC_PATH_ENV).
+def server_tmp_dir(log_path: Path) -> Path:
+    """The temp dir (TMPDIR) of the server logging to `log_path`.
 
-    In the system temp dir and short: a socket path must fit in 107 bytes, and a
-    cluster dir can be deep. Named by the log path, which every kvctl that attaches knows.
+    In the system temp dir and short: vLLM's IPC socket paths must fit in 107 bytes,
+    and a cluster dir can be deep. Named by the log path, which every kvctl that attaches knows.
     """
     digest = hashlib.sha256(str(log_path.absolute()).encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"kvctl-ipc-{digest}"
+    return Path(tempfile.gettempdir()) / f"kvctl-tmp-{digest}"
+
+
+def tmp_env(log_path: Path, role_env: Mapping[str, str]) -> dict[str, str]:
+    """TMPDIR for the server logging to `log_path` (created), and torch's default compile cache
+    (under the system temp dir, shared by every server); what `role_env` sets is left to it."""
+    env = {}
+    if "TMPDIR" not in role_env:
+        tmp = server_tmp_dir(log_path)
+        tmp.mkdir(mode=0o700, exist_ok=True)
+        env["TMPDIR"] = str(tmp)
+    if COMPILE_CACHE_ENV not in role_env:
+        env[COMPILE_CACHE_ENV] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
+    return env
 
 
 def engine_python(engine: str) -> Path:
@@ -156,7 +171,7 @@ class LocalInstance:
         """
         t0 = time.monotonic()
         if not self._members():
-            self.remove_ipc_dir()  # a server that died on its own left its sockets
+            self.remove_tmp_dir()  # a server that died on its own left its files
             return StopResult(self.name, False, None, 0.0)
         log.debug("stopping %s server (process group %d) with SIGTERM", self.name, self.pid)
         self._signal_group(signal.SIGTERM)
@@ -173,13 +188,13 @@ class LocalInstance:
                     fix="check them with `ps -o pid,stat,cmd -g PGID` and kill them by hand")
         if self._popen is not None:
             self._popen.wait(timeout=KILL_WAIT_S)
-        self.remove_ipc_dir()
+        self.remove_tmp_dir()
         return StopResult(self.name, True, used, time.monotonic() - t0)
 
-    def remove_ipc_dir(self) -> None:
-        """Remove the IPC sockets dir of a server that is gone (no-op while it runs, or if none)."""
+    def remove_tmp_dir(self) -> None:
+        """Remove the temp dir of a server that is gone (no-op while it runs, or if none)."""
         if not self._members():
-            shutil.rmtree(ipc_dir(self.log_path), ignore_errors=True)
+            shutil.rmtree(server_tmp_dir(self.log_path), ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (the leader alone if the group is gone)."""
@@ -261,10 +276,7 @@ class LocalRuntime:
                **vllm_server_env(spec)}
         env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"),
                                        server_sites(spec.kv_transfer_config, spec.engine))
-        if IPC_PATH_ENV not in spec.env:  # a role's own env may name one
-            ipc = ipc_dir(spec.log_path)
-            ipc.mkdir(mode=0o700, exist_ok=True)
-            env[IPC_PATH_ENV] = str(ipc)
+        env.update(tmp_env(spec.log_path, spec.env))
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.cwd.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as logf:
