@@ -56,6 +56,23 @@ def answers_health(client: httpx.Client, url: str, timeout_s: float = HEALTH_TIM
         return False
 
 
+def unhealthy_reason(client: httpx.Client, url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
+    """Why `url`/health does not answer 200, when it says so (a kvctl router names the instances
+    it holds unhealthy, and why, in its error message); None when healthy or it does not say."""
+    try:
+        resp = client.get(f"{url}/health", timeout=timeout_s)
+    except httpx.HTTPError as e:
+        return f"{url}/health: {type(e).__name__}"
+    if resp.status_code == 200:
+        return None
+    try:
+        error = resp.json().get("error")
+    except ValueError:
+        error = None
+    message = error.get("message") if isinstance(error, dict) else None
+    return f"{url}/health answers {resp.status_code}" + (f": {message}" if message else "")
+
+
 def wait_healthy(servers: Servers, timeout_s: float, *, t0: float | None = None, poll_s: float = POLL_S,
                  on_poll: Callable[[float, dict[str, float]], None] | None = None) -> dict[str, float]:
     """Poll each server's process and /health until all answer 200; seconds from `t0` to each one's 200.

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.cluster.router_process import router_instance
 from kvctl.cluster.router_process import start_router as start_launched_router
-from kvctl.net import free_ports
+from kvctl.net import free_ports, unhealthy_reason
 from kvctl.router.app import LISTENING, RunningRouter, start_router
 from kvctl.router.config import build_config
 from kvctl.router.route_log import parse_route_line
@@ -585,6 +585,9 @@ def test_health_gating(make_cluster):
     wait_for(lambda: httpx.get(f"{c.url}/health").status_code == 503, what="/health to be 503")
     h = httpx.get(f"{c.url}/health").json()
     assert h["error"]["missing"] == ["decode"] and "decode-0" in h["error"]["message"]
+    with httpx.Client() as client:  # what `kvctl bench serve` adds to "no request succeeded"
+        reason = unhealthy_reason(client, c.url)
+    assert reason.startswith(f"{c.url}/health answers 503: no healthy decode instance") and "decode-0" in reason
     r = httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "no_healthy_decode"
     assert c.prefill[0].completions() == []  # no prefill spent when no decode could follow
@@ -592,6 +595,8 @@ def test_health_gating(make_cluster):
     wait_for(lambda: httpx.get(f"{c.url}/health").status_code == 200, what="/health to be 200")
     assert httpx.post(f"{c.url}/v1/completions", json={"model": MODEL, "prompt": "x"},
                       timeout=30).status_code == 200
+    with httpx.Client() as client:
+        assert unhealthy_reason(client, c.url) is None
 
 
 def test_a_slow_health_answer_is_forgiven_for_the_grace_period(make_cluster):

@@ -66,7 +66,7 @@ from kvctl.signals import signals_interrupt
 from kvctl.cluster.spec import model_dtype, spread_cpu_binds
 from kvctl.cluster.state import ClusterState, cluster_api_key, cluster_dir, load_cluster
 from kvctl.errors import BadInput, RuntimeFailure
-from kvctl.net import NotHealthy, answers_health, free_ports, wait_healthy
+from kvctl.net import NotHealthy, answers_health, free_ports, unhealthy_reason, wait_healthy
 from kvctl.provision.rig import rig_python
 from kvctl.runtime import get_runtime
 from kvctl.runtime.base import BLOCK_SIZE, DEFAULT_ENGINE, Instance, InstanceSpec
@@ -322,10 +322,12 @@ def run_tool(label: str, url: str, served_name: str, tokenizer: Path, opts: Serv
                                               "serving the model?)", details=done.details)
     raw = json.loads(path.read_text())
     if not raw.get("completed"):
-        first = next((e for e in raw.get("errors") or [] if e), "")
+        first = next((e for e in raw.get("errors") or [] if e), "")[-2000:] or done.details
+        with httpx.Client() as client:
+            reason = unhealthy_reason(client, url)  # a router's 503 names the instance it holds down
         raise RuntimeFailure(f"no request succeeded against the {label} target {url}", where=where,
                              fix="read the first error below and the server's log",
-                             details=first[-2000:] or done.details)
+                             details="\n".join(filter(None, (first, reason))))
     return raw
 
 
