@@ -101,6 +101,21 @@ def fit_prompt(client: VLLMClient, target: int, tag: str) -> Prompt:
     if best is None:
         raise RuntimeFailure(f"could not build a prompt of about {target} tokens",
                              fix="use a larger prompt size")
+    return _topped_up(client, best, target)
+
+
+def _topped_up(client: VLLMClient, best: Prompt, target: int) -> Prompt:
+    """`best` (<= target tokens) with words appended, each the one of _WORDS that comes closest
+    without passing `target`: a word can be several tokens, so changing the word count alone
+    may step over the target from both sides."""
+    while abs(best.tokens - target) > max(1, target // 100):
+        tries = (f"{best.text} {word}" for word in sorted(set(_WORDS)))
+        fits = [Prompt(text, n) for text in tries
+                if (n := len(client.tokenize_chat(user_messages(text)))) <= target]
+        closer = max(fits, key=lambda p: p.tokens, default=None)
+        if closer is None or closer.tokens <= best.tokens:
+            return best
+        best = closer
     return best
 
 
