@@ -20,6 +20,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from connectors.store import format as fmt
 from connectors.v1.transfer import KV_ONLY_SUFFIX
 from kvctl.client import VLLMClient, user_messages
 from kvctl.net import free_ports
+from kvctl.runtime.local import server_tmp_dir, tmp_env
 from kvctl.verify import markers
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("vllm")]
@@ -126,6 +128,7 @@ def start_v0(rig_python: Path, model: Path, name: str, workdir: Path, kv: dict, 
 
 def _spawn(name: str, args: list[str], workdir: Path, env: dict, port: int) -> Server:
     log_path = workdir / f"{name}.log"
+    env = {**env, **tmp_env(log_path, {})}  # vLLM's IPC sockets go where stop() removes them, as kvctl's
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
@@ -162,6 +165,8 @@ def stop(servers: list[Server]) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(s.proc.pid, signal.SIGKILL)
             s.proc.wait(timeout=10)
+    for s in servers:
+        shutil.rmtree(server_tmp_dir(s.log_path), ignore_errors=True)
 
 
 def engine_python(engine: str) -> tuple[Path | None, str]:
