@@ -71,6 +71,12 @@ POLL_S = 0.1
 
 
 COMPILE_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+# vLLM V1 torch.compiles a sampler op (batched_count_greater_than) the first time a server returns
+# logprobs, even with --enforce-eager: an inductor C++ build that held a 2P2D cluster's first request
+# for minutes on 2 busy cores (faulthandler: P's worker in torch._dynamo under gather_logprobs while
+# its engine logged "No available shared memory broadcast block found in 60 seconds").
+# Local servers are CPU servers: they run torch.compile'd functions eagerly.
+NO_COMPILE_ENV = {"TORCH_COMPILE_DISABLE": "1"}
 
 
 def server_tmp_dir(log_path: Path) -> Path:
@@ -277,6 +283,7 @@ class LocalRuntime:
         env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"),
                                        server_sites(spec.kv_transfer_config, spec.engine))
         env.update(tmp_env(spec.log_path, spec.env))
+        env.update({k: v for k, v in NO_COMPILE_ENV.items() if k not in spec.env})
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.cwd.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as logf:
