@@ -50,15 +50,12 @@ def free_ports(count: int) -> list[int]:
 
 def answers_health(client: httpx.Client, url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> bool:
     """True when GET `url`/health answers 200 (False on any HTTP error)."""
-    try:
-        return client.get(f"{url}/health", timeout=timeout_s).status_code == 200
-    except httpx.HTTPError:
-        return False
+    return unhealthy_reason(client, url, timeout_s) is None
 
 
 def unhealthy_reason(client: httpx.Client, url: str, timeout_s: float = HEALTH_TIMEOUT_S) -> str | None:
-    """Why `url`/health does not answer 200, when it says so (a kvctl router names the instances
-    it holds unhealthy, and why, in its error message); None when healthy or it does not say."""
+    """Why `url`/health does not answer 200 (None when it does): the HTTP error or status, and the
+    error message when the body has one (a kvctl router names the instances it holds unhealthy, and why)."""
     try:
         resp = client.get(f"{url}/health", timeout=timeout_s)
     except httpx.HTTPError as e:

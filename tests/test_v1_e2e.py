@@ -128,7 +128,7 @@ def start_v0(rig_python: Path, model: Path, name: str, workdir: Path, kv: dict, 
 
 def _spawn(name: str, args: list[str], workdir: Path, env: dict, port: int) -> Server:
     log_path = workdir / f"{name}.log"
-    env = {**env, **tmp_env(log_path, {})}  # vLLM's IPC sockets go where stop() removes them, as kvctl's
+    env = {**env, **tmp_env(log_path)}  # vLLM's IPC sockets go where stop() removes them, as kvctl's
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(args, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)

@@ -89,17 +89,13 @@ def server_tmp_dir(log_path: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"kvctl-tmp-{digest}"
 
 
-def tmp_env(log_path: Path, role_env: Mapping[str, str]) -> dict[str, str]:
+def tmp_env(log_path: Path) -> dict[str, str]:
     """TMPDIR for the server logging to `log_path` (created), and torch's default compile cache
-    (under the system temp dir, shared by every server); what `role_env` sets is left to it."""
-    env = {}
-    if "TMPDIR" not in role_env:
-        tmp = server_tmp_dir(log_path)
-        tmp.mkdir(mode=0o700, exist_ok=True)
-        env["TMPDIR"] = str(tmp)
-    if COMPILE_CACHE_ENV not in role_env:
-        env[COMPILE_CACHE_ENV] = str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")
-    return env
+    (under the system temp dir, shared by every server)."""
+    tmp = server_tmp_dir(log_path)
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    return {"TMPDIR": str(tmp),
+            COMPILE_CACHE_ENV: str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}")}
 
 
 def engine_python(engine: str) -> Path:
@@ -177,7 +173,7 @@ class LocalInstance:
         """
         t0 = time.monotonic()
         if not self._members():
-            self.remove_tmp_dir()  # a server that died on its own left its files
+            self._remove_tmp_dir()  # a server that died on its own left its files
             return StopResult(self.name, False, None, 0.0)
         log.debug("stopping %s server (process group %d) with SIGTERM", self.name, self.pid)
         self._signal_group(signal.SIGTERM)
@@ -194,13 +190,12 @@ class LocalInstance:
                     fix="check them with `ps -o pid,stat,cmd -g PGID` and kill them by hand")
         if self._popen is not None:
             self._popen.wait(timeout=KILL_WAIT_S)
-        self.remove_tmp_dir()
+        self._remove_tmp_dir()
         return StopResult(self.name, True, used, time.monotonic() - t0)
 
-    def remove_tmp_dir(self) -> None:
-        """Remove the temp dir of a server that is gone (no-op while it runs, or if none)."""
-        if not self._members():
-            shutil.rmtree(server_tmp_dir(self.log_path), ignore_errors=True)
+    def _remove_tmp_dir(self) -> None:
+        """Remove the temp dir of this server, once its processes are gone."""
+        shutil.rmtree(server_tmp_dir(self.log_path), ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL the whole process group at once (the leader alone if the group is gone)."""
@@ -278,12 +273,11 @@ class LocalRuntime:
         # A VLLM_API_KEY kvctl inherited is not this cluster's key (that comes with the spec):
         # a server requiring it would refuse kvctl's own requests.
         # So are store keys: an unkeyed cluster's servers must not pick one up from kvctl's shell.
+        # kvctl's own defaults go under the server's env, so a role's env may set them back.
         env = {**{k: v for k, v in os.environ.items() if k != API_KEY_ENV and k not in STORE_KEY_ENVS},
-               **vllm_server_env(spec)}
+               **tmp_env(spec.log_path), **NO_COMPILE_ENV, **vllm_server_env(spec)}
         env["PYTHONPATH"] = pythonpath(self.overlay, env.get("PYTHONPATH"),
                                        server_sites(spec.kv_transfer_config, spec.engine))
-        env.update(tmp_env(spec.log_path, spec.env))
-        env.update({k: v for k, v in NO_COMPILE_ENV.items() if k not in spec.env})
         spec.log_path.parent.mkdir(parents=True, exist_ok=True)
         spec.cwd.mkdir(parents=True, exist_ok=True)
         with open(spec.log_path, "wb") as logf:
